@@ -1,0 +1,196 @@
+"""One exception hierarchy with error codes, and the one table from code to HTTP status.
+
+Every failure Kiln reports — an HTTP 4xx, a failed job, a refused artifact — carries an
+``ErrorCode``. Messages say what was expected and what is available.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class ErrorCode(StrEnum):
+    # request / input
+    INVALID_REQUEST = "invalid_request"
+    INVALID_MODEL = "invalid_model"
+    MODEL_TOO_LARGE = "model_too_large"
+    INVALID_OPTIONS = "invalid_options"
+    NOT_FOUND = "not_found"
+    CONFLICT = "conflict"
+    UNAUTHENTICATED = "unauthenticated"
+    FORBIDDEN = "forbidden"
+    # compile pipeline
+    MODEL_CHECK_FAILED = "model_check_failed"
+    UNSUPPORTED_OPSET = "unsupported_opset"
+    BUILD_FAILED = "build_failed"
+    VERIFICATION_FAILED = "verification_failed"
+    BACKEND_UNAVAILABLE = "backend_unavailable"
+    FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+    UNKNOWN_OPERATOR = "unknown_operator"
+    PLUGIN_ERROR = "plugin_error"
+    # storage / integrity
+    INTEGRITY_ERROR = "integrity_error"
+    SIGNATURE_INVALID = "signature_invalid"
+    STORE_ERROR = "store_error"
+    # infrastructure
+    QUEUE_UNAVAILABLE = "queue_unavailable"
+    CONFIG_ERROR = "config_error"
+    INTERNAL = "internal"
+
+
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.INVALID_MODEL: 422,
+    ErrorCode.MODEL_TOO_LARGE: 413,
+    ErrorCode.INVALID_OPTIONS: 422,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.CONFLICT: 409,
+    ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.FORBIDDEN: 403,
+    ErrorCode.MODEL_CHECK_FAILED: 422,
+    ErrorCode.UNSUPPORTED_OPSET: 422,
+    ErrorCode.BUILD_FAILED: 422,
+    ErrorCode.VERIFICATION_FAILED: 422,
+    ErrorCode.BACKEND_UNAVAILABLE: 422,
+    ErrorCode.FINGERPRINT_MISMATCH: 409,
+    ErrorCode.UNKNOWN_OPERATOR: 422,
+    ErrorCode.PLUGIN_ERROR: 422,
+    ErrorCode.INTEGRITY_ERROR: 502,
+    ErrorCode.SIGNATURE_INVALID: 502,
+    ErrorCode.STORE_ERROR: 503,
+    ErrorCode.QUEUE_UNAVAILABLE: 503,
+    ErrorCode.CONFIG_ERROR: 500,
+    ErrorCode.INTERNAL: 500,
+}
+
+
+class ErrorBody(BaseModel):
+    """What every error response and every failed job carries."""
+
+    code: ErrorCode
+    message: str
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class KilnError(Exception):
+    """Base of every error Kiln raises on purpose."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+    #: True when retrying the same work may succeed (a broker or store hiccup).
+    transient: bool = False
+
+    def __init__(self, message: str, *, code: ErrorCode | None = None, **details: Any) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.message = message
+        self.details = details
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS[self.code]
+
+    def to_body(self) -> ErrorBody:
+        return ErrorBody(code=self.code, message=self.message, details=self.details)
+
+    @classmethod
+    def from_body(cls, body: ErrorBody) -> KilnError:
+        return cls(body.message, code=body.code, **body.details)
+
+
+class InvalidRequest(KilnError):
+    code = ErrorCode.INVALID_REQUEST
+
+
+class InvalidModel(KilnError):
+    code = ErrorCode.INVALID_MODEL
+
+
+class ModelTooLarge(KilnError):
+    code = ErrorCode.MODEL_TOO_LARGE
+
+
+class InvalidOptions(KilnError):
+    code = ErrorCode.INVALID_OPTIONS
+
+
+class NotFound(KilnError):
+    code = ErrorCode.NOT_FOUND
+
+
+class Conflict(KilnError):
+    code = ErrorCode.CONFLICT
+
+
+class Unauthenticated(KilnError):
+    code = ErrorCode.UNAUTHENTICATED
+
+
+class Forbidden(KilnError):
+    code = ErrorCode.FORBIDDEN
+
+
+class CompileError(KilnError):
+    """A compile job failed for a reason that retrying will not change."""
+
+    code = ErrorCode.BUILD_FAILED
+
+
+class ModelCheckFailed(CompileError):
+    code = ErrorCode.MODEL_CHECK_FAILED
+
+
+class UnsupportedOpset(CompileError):
+    code = ErrorCode.UNSUPPORTED_OPSET
+
+
+class VerificationFailed(CompileError):
+    code = ErrorCode.VERIFICATION_FAILED
+
+
+class BackendUnavailable(CompileError):
+    code = ErrorCode.BACKEND_UNAVAILABLE
+
+
+class FingerprintMismatch(CompileError):
+    code = ErrorCode.FINGERPRINT_MISMATCH
+
+
+class UnknownOperator(CompileError):
+    """The model uses a custom op that no registered plugin provides."""
+
+    code = ErrorCode.UNKNOWN_OPERATOR
+
+
+class PluginError(KilnError):
+    """A plugin cannot be used here: no implementation for this backend or device, an ABI
+    that does not match the runtime, a shape function that raised."""
+
+    code = ErrorCode.PLUGIN_ERROR
+
+
+class IntegrityError(KilnError):
+    """Bytes whose size or sha256 differ from what the manifest promised."""
+
+    code = ErrorCode.INTEGRITY_ERROR
+
+
+class SignatureInvalid(KilnError):
+    code = ErrorCode.SIGNATURE_INVALID
+
+
+class StoreError(KilnError):
+    code = ErrorCode.STORE_ERROR
+    transient = True
+
+
+class QueueUnavailable(KilnError):
+    code = ErrorCode.QUEUE_UNAVAILABLE
+    transient = True
+
+
+class ConfigError(KilnError):
+    code = ErrorCode.CONFIG_ERROR

@@ -1,0 +1,130 @@
+"""Artifact manifests: what was built, from what, on what, and how well it did."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas._canonical import canonical_json
+from schemas.fingerprint import HardwareFingerprint
+from schemas.options import CompileOptions
+from schemas.plugins import PluginRef
+
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+
+
+class TensorSpec(BaseModel):
+    """One input or output. A dimension is an int, or a string naming a dynamic axis."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    dtype: str
+    shape: list[int | str]
+
+
+class BlobRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    #: Role of the blob inside the artifact ("engine", "model", ...).
+    name: str
+    sha256: str = Field(pattern=SHA256_PATTERN)
+    size: int = Field(ge=0)
+    media_type: str = "application/octet-stream"
+
+
+class VerificationResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    passed: bool
+    samples: int
+    max_abs_error: float
+    max_rel_error: float
+    atol: float
+    rtol: float
+    reference: str = Field(description="What produced the reference outputs")
+    per_output: dict[str, dict[str, float]] = Field(default_factory=dict)
+
+
+class BenchmarkResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    iterations: int
+    warmup: int
+    p50_ms: float
+    p90_ms: float
+    mean_ms: float
+    min_ms: float
+    input_shapes: dict[str, list[int]] = Field(default_factory=dict)
+    #: The same model on the unoptimized reference session, measured in the same run.
+    reference_p50_ms: float | None = None
+
+
+class ManifestSignature(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    algorithm: str = "ed25519"
+    key_id: str
+    value: str = Field(description="base64 signature over the canonical unsigned manifest")
+
+
+class ArtifactManifest(BaseModel):
+    """The signed description of one engine. Blobs are listed by sha256 and size."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = 1
+    artifact_id: str
+    model_sha256: str = Field(pattern=SHA256_PATTERN)
+    options_digest: str = Field(pattern=SHA256_PATTERN)
+    options: CompileOptions
+    backend: str
+    fingerprint_key: str
+    #: A coarser key naming every node this engine also runs on (a portable onnxruntime
+    #: engine, a hardware-compatible TensorRT plan); ``None`` when only the exact key fits.
+    compatibility_key: str | None = None
+    #: Toolchain identity that is part of the cache key (backend runtime + kiln pipeline).
+    toolchain: str
+    build_fingerprint: HardwareFingerprint
+    blobs: list[BlobRef]
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    #: Backend-specific settings the executor needs to load the engine.
+    runtime_config: dict[str, object] = Field(default_factory=dict)
+    #: The custom-op plugin bundles the engine needs, loaded by agents before it.
+    plugins: list[PluginRef] = Field(default_factory=list)
+    passes: list[str] = Field(default_factory=list)
+    verification: VerificationResult
+    benchmark: BenchmarkResult
+    created_at: datetime
+    signature: ManifestSignature | None = None
+
+    def unsigned_bytes(self) -> bytes:
+        """The bytes a signature covers: the canonical manifest without its signature."""
+        return canonical_json(self.model_dump(mode="json", exclude={"signature"}))
+
+    def blob(self, name: str) -> BlobRef:
+        for ref in self.blobs:
+            if ref.name == name:
+                return ref
+        raise KeyError(f"manifest {self.artifact_id} has no blob {name!r}; it has "
+                       f"{[b.name for b in self.blobs]}")
+
+
+class ArtifactSummary(BaseModel):
+    """An artifact as listed by the API."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    model_id: str
+    backend: str
+    fingerprint_key: str
+    compatibility_key: str | None = None
+    options_digest: str
+    toolchain: str
+    size_bytes: int
+    max_abs_error: float
+    p50_ms: float
+    created_at: datetime
