@@ -1,0 +1,324 @@
+"""The artifact store interface: a small abstract surface, every shared rule in the base.
+
+A backend implements five key-based private methods (``_put_file``, ``_get_range``,
+``_size``, ``_delete``, ``_list``) and, where it can, ``_presigned_url``. Everything else —
+key validation, content addressing, integrity checks on download, manifest publication
+order and signatures — lives here, once.
+
+Layout inside a store::
+
+    blobs/sha256/<first 2 hex>/<hex>          content-addressed bytes
+    artifacts/<artifact_id>/manifest.json     signed manifest, written after its blobs
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from artifact_store.digest import sha256_file
+from artifact_store.signing import Signer, Verifier
+from schemas.errors import IntegrityError, InvalidRequest, NotFound
+from schemas.manifest import ArtifactManifest, BlobRef
+
+logger = logging.getLogger(__name__)
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+BLOB_PREFIX = "blobs/sha256"
+MANIFEST_PREFIX = "artifacts"
+MANIFEST_NAME = "manifest.json"
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative '/'-separated path, else ``InvalidRequest``.
+
+    Parts may not be empty or start with '.' (which rules out '.', '..' and the hidden
+    names backends use for temporary files), and the key may not start with '/'.
+    """
+    if not isinstance(key, str) or not key:
+        raise InvalidRequest(f"expected a non-empty store key; got {key!r}")
+    if key.startswith("/"):
+        raise InvalidRequest(f"store keys are relative; got {key!r}, which starts with '/'")
+    if "\\" in key or "\x00" in key:
+        raise InvalidRequest(f"store keys may not contain '\\' or NUL; got {key!r}")
+    for part in key.split("/"):
+        if not part or part.startswith("."):
+            raise InvalidRequest(f"store key parts may not be empty or start with '.'; got {key!r}")
+    return key
+
+
+class ArtifactStore(ABC):
+    """Blobs by sha256 and signed manifests by artifact id, on some backend."""
+
+    #: Where this store lives, e.g. ``file:///srv/kiln/store`` or ``s3://bucket/prefix``.
+    uri: str
+
+    # -- what a backend implements ------------------------------------------------------
+
+    @abstractmethod
+    def _put_file(self, key: str, src: Path) -> None:
+        """Store the file ``src`` at ``key``, atomically: readers never see a partial object."""
+
+    @abstractmethod
+    def _get_range(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
+        """Stream bytes ``[start, end)`` of ``key`` (``end=None``: to the end).
+
+        Raises ``NotFound`` (at the latest on the first ``next()``) when ``key`` is absent.
+        """
+
+    @abstractmethod
+    def _size(self, key: str) -> int | None:
+        """Size of the object at ``key``, or ``None`` when there is none."""
+
+    @abstractmethod
+    def _delete(self, key: str) -> None:
+        """Remove ``key``; no error when it is already absent."""
+
+    @abstractmethod
+    def _list(self, prefix: str) -> Iterator[str]:
+        """Keys that start with ``prefix``, in lexicographic order."""
+
+    def _presigned_url(self, key: str, ttl_s: int) -> str | None:
+        """A URL that downloads ``key`` without credentials; ``None`` if unsupported."""
+        return None
+
+    # -- keys -----------------------------------------------------------------------------
+
+    def blob_key(self, sha256: str) -> str:
+        """``blobs/sha256/<first 2 hex>/<hex>``."""
+        if not isinstance(sha256, str) or not _SHA256.match(sha256):
+            raise InvalidRequest(f"expected a lower-case hex sha256 (64 digits); got {sha256!r}")
+        return f"{BLOB_PREFIX}/{sha256[:2]}/{sha256}"
+
+    def manifest_key(self, artifact_id: str) -> str:
+        """``artifacts/<artifact_id>/manifest.json``."""
+        if not isinstance(artifact_id, str) or "/" in artifact_id:
+            raise InvalidRequest(f"expected an artifact id without '/'; got {artifact_id!r}")
+        return check_key(f"{MANIFEST_PREFIX}/{artifact_id}/{MANIFEST_NAME}")
+
+    def presigned_url(self, key: str, ttl_s: int = 3600) -> str | None:
+        """A time-limited URL that downloads ``key``, or ``None`` when the backend has none
+        (the caller then streams the bytes itself)."""
+        if ttl_s <= 0:
+            raise InvalidRequest(f"expected a positive URL lifetime in seconds; got {ttl_s}")
+        return self._presigned_url(check_key(key), ttl_s)
+
+    # -- small objects --------------------------------------------------------------------
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Store a small object atomically."""
+        check_key(key)
+        fd, tmp = tempfile.mkstemp(prefix="kiln-put-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            self._put_file(key, Path(tmp))
+        finally:
+            os.unlink(tmp)
+
+    def get_bytes(self, key: str) -> bytes:
+        """Read a small object whole; ``NotFound`` when absent."""
+        return b"".join(self._get_range(check_key(key), 0, None))
+
+    # -- blobs ----------------------------------------------------------------------------
+
+    def put_blob(
+        self, path: Path, *, name: str, media_type: str = "application/octet-stream"
+    ) -> BlobRef:
+        """Store the file at ``path`` under its sha256 and return its reference.
+
+        The upload is skipped when an object of that digest and size is already there.
+        """
+        sha256, size = sha256_file(path)
+        key = self.blob_key(sha256)
+        if self._size(key) == size:
+            logger.debug("blob %s already in %s; not uploading again", sha256, self.uri)
+        else:
+            self._put_file(key, Path(path))
+            logger.info("stored blob %s (%d bytes) in %s", sha256, size, self.uri)
+        return BlobRef(name=name, sha256=sha256, size=size, media_type=media_type)
+
+    def put_blob_bytes(
+        self, data: bytes, *, name: str, media_type: str = "application/octet-stream"
+    ) -> BlobRef:
+        """``put_blob`` for bytes in memory."""
+        fd, tmp = tempfile.mkstemp(prefix="kiln-blob-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return self.put_blob(Path(tmp), name=name, media_type=media_type)
+        finally:
+            os.unlink(tmp)
+
+    def has_blob(self, ref: BlobRef) -> bool:
+        """True when the blob is stored with the size ``ref`` promises."""
+        return self._size(self.blob_key(ref.sha256)) == ref.size
+
+    def open_blob(self, ref: BlobRef, *, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+        """Stream bytes ``[start, end)`` of a blob (``end=None``: to the end).
+
+        ``NotFound`` when absent, ``IntegrityError`` when the stored size differs from
+        ``ref.size``; both are raised here, before the first chunk. Only the size is checked:
+        ``get_blob`` verifies the sha256 of a whole download.
+        """
+        key = self.blob_key(ref.sha256)
+        stop = ref.size if end is None else end
+        if not 0 <= start <= stop <= ref.size:
+            raise InvalidRequest(
+                f"expected 0 <= start <= end <= {ref.size} for blob {ref.name!r} "
+                f"({ref.sha256}); got start={start}, end={end}"
+            )
+        self._check_stored_size(ref, key)
+        if start == stop:
+            return iter(())
+        return self._get_range(key, start, stop)
+
+    def get_blob(self, ref: BlobRef, dest: Path) -> Path:
+        """Download a blob to ``dest`` and verify its size and sha256.
+
+        Bytes go to a temporary file beside ``dest`` that replaces ``dest`` only once
+        verified; on a mismatch (``IntegrityError``) or any other failure the temporary
+        file is removed and ``dest`` is left as it was.
+        """
+        dest = Path(dest)
+        key = self.blob_key(ref.sha256)
+        self._check_stored_size(ref, key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+        try:
+            digest = hashlib.sha256()
+            size = 0
+            with os.fdopen(fd, "wb") as f:
+                for chunk in self._get_range(key, 0, None):
+                    digest.update(chunk)
+                    size += len(chunk)
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            if size != ref.size or digest.hexdigest() != ref.sha256:
+                raise IntegrityError(
+                    f"blob {ref.name!r} from {self.uri} is corrupt: expected sha256 "
+                    f"{ref.sha256} and {ref.size} bytes, got sha256 {digest.hexdigest()} "
+                    f"and {size} bytes",
+                    blob=ref.name,
+                    expected_sha256=ref.sha256,
+                    actual_sha256=digest.hexdigest(),
+                    expected_size=ref.size,
+                    actual_size=size,
+                )
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return dest
+
+    def _check_stored_size(self, ref: BlobRef, key: str) -> None:
+        stored = self._size(key)
+        if stored is None:
+            raise NotFound(
+                f"blob {ref.name!r} ({ref.sha256}) is not in {self.uri}",
+                blob=ref.name,
+                sha256=ref.sha256,
+            )
+        if stored != ref.size:
+            raise IntegrityError(
+                f"blob {ref.name!r} ({ref.sha256}) in {self.uri} has {stored} bytes; "
+                f"expected {ref.size}",
+                blob=ref.name,
+                sha256=ref.sha256,
+                expected_size=ref.size,
+                actual_size=stored,
+            )
+
+    # -- manifests ------------------------------------------------------------------------
+
+    def publish_manifest(self, manifest: ArtifactManifest, signer: Signer) -> ArtifactManifest:
+        """Sign ``manifest`` and store it, after checking that all its blobs are stored.
+
+        The manifest is written last, so a reader never sees a manifest without its blobs.
+        Idempotent: when the artifact already has a manifest, that stored manifest is
+        returned unchanged (first writer wins). Two writers racing on the same id may both
+        write; each writes a complete, signed manifest whose blobs are present.
+        """
+        if self.has_manifest(manifest.artifact_id):
+            logger.info("artifact %s already published in %s", manifest.artifact_id, self.uri)
+            return self.read_manifest(manifest.artifact_id)
+        missing = []
+        for ref in manifest.blobs:
+            stored = self._size(self.blob_key(ref.sha256))
+            if stored != ref.size:
+                found = "absent" if stored is None else f"{stored} bytes"
+                missing.append(f"{ref.name} ({ref.sha256}, {ref.size} bytes; found {found})")
+        if missing:
+            raise IntegrityError(
+                f"refusing to publish artifact {manifest.artifact_id!r} to {self.uri}: "
+                f"{len(missing)} of its {len(manifest.blobs)} blobs are not stored: "
+                + "; ".join(missing),
+                artifact_id=manifest.artifact_id,
+                missing=missing,
+            )
+        signed = signer.sign(manifest)
+        self.put_bytes(
+            self.manifest_key(manifest.artifact_id), signed.model_dump_json(indent=2).encode()
+        )
+        logger.info(
+            "published artifact %s to %s (key id %s)",
+            manifest.artifact_id,
+            self.uri,
+            signer.key_id,
+        )
+        return signed
+
+    def read_manifest(self, artifact_id: str, verifier: Verifier | None = None) -> ArtifactManifest:
+        """Load an artifact's manifest; with a ``verifier``, check its signature too.
+
+        ``NotFound`` when absent, ``IntegrityError`` when the stored JSON is not a valid
+        manifest for that id, ``SignatureInvalid`` when the verifier rejects it.
+        """
+        key = self.manifest_key(artifact_id)
+        try:
+            data = self.get_bytes(key)
+        except NotFound as exc:
+            raise NotFound(
+                f"no manifest for artifact {artifact_id!r} in {self.uri}",
+                artifact_id=artifact_id,
+            ) from exc
+        try:
+            manifest = ArtifactManifest.model_validate_json(data)
+        except ValidationError as exc:
+            raise IntegrityError(
+                f"the stored manifest of artifact {artifact_id!r} in {self.uri} is not a "
+                f"valid manifest: {exc}",
+                artifact_id=artifact_id,
+            ) from exc
+        if manifest.artifact_id != artifact_id:
+            raise IntegrityError(
+                f"the manifest stored for artifact {artifact_id!r} in {self.uri} describes "
+                f"artifact {manifest.artifact_id!r}",
+                artifact_id=artifact_id,
+            )
+        if verifier is not None:
+            verifier.verify(manifest)
+        return manifest
+
+    def has_manifest(self, artifact_id: str) -> bool:
+        """True when the artifact has a published manifest."""
+        return self._size(self.manifest_key(artifact_id)) is not None
+
+    def list_manifests(self) -> Iterator[str]:
+        """Ids of the artifacts with a published manifest, in lexicographic order."""
+        for key in self._list(f"{MANIFEST_PREFIX}/"):
+            parts = key.split("/")
+            if len(parts) == 3 and parts[2] == MANIFEST_NAME:
+                yield parts[1]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
