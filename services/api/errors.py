@@ -1,0 +1,63 @@
+"""Every error leaves the API as an ``ErrorBody`` with the status from the one code table."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from schemas.errors import ErrorBody, ErrorCode, KilnError
+
+logger = logging.getLogger(__name__)
+
+_HTTP_CODES = {
+    401: ErrorCode.UNAUTHENTICATED,
+    403: ErrorCode.FORBIDDEN,
+    404: ErrorCode.NOT_FOUND,
+    409: ErrorCode.CONFLICT,
+    413: ErrorCode.MODEL_TOO_LARGE,
+}
+
+
+def error_response(status: int, body: ErrorBody, headers: dict[str, str] | None = None):
+    return JSONResponse(status_code=status, content=body.model_dump(mode="json"), headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(KilnError)
+    async def _kiln_error(request: Request, exc: KilnError):
+        if exc.http_status >= 500:
+            logger.error("%s %s failed: %s", request.method, request.url.path, exc.message)
+        headers = {"WWW-Authenticate": "Bearer"} if exc.code is ErrorCode.UNAUTHENTICATED else None
+        return error_response(exc.http_status, exc.to_body(), headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            problems.append(f"{where}: {err.get('msg')}")
+        body = ErrorBody(
+            code=ErrorCode.INVALID_REQUEST,
+            message="request did not validate: " + "; ".join(problems),
+            details={"errors": [
+                {"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")}
+                for e in exc.errors()
+            ]},
+        )
+        return error_response(422, body)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = _HTTP_CODES.get(exc.status_code, ErrorCode.INVALID_REQUEST)
+        return error_response(exc.status_code, ErrorBody(code=code, message=str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(
+            500, ErrorBody(code=ErrorCode.INTERNAL, message="internal error; see the API log")
+        )

@@ -1,0 +1,80 @@
+"""``/v1/compile-jobs``: one job per target; rows are committed before tasks are enqueued."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, status
+
+from schemas import CompileJob, CompileJobCreate, JobStatus
+from schemas.errors import KilnError, QueueUnavailable
+from schemas.jobs import CompileJobBatch
+from services.api.deps import AdminPrincipal, Limit, QueueDep, ReaderPrincipal, SessionDep
+from services.db import repo
+from services.queue import enqueue_compile
+
+logger = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"])
+
+
+@router.post("", response_model=CompileJobBatch, status_code=status.HTTP_202_ACCEPTED)
+def create_compile_jobs(
+    request: CompileJobCreate, session: SessionDep, queue: QueueDep, _: AdminPrincipal
+) -> CompileJobBatch:
+    repo.get_model(session, model_id=request.model_id)  # 404 before anything is written
+    digest = request.options.digest()
+    served = repo.live_worker_keys(session)
+    jobs: list[CompileJob] = []
+    to_enqueue: list[CompileJob] = []
+    for key in dict.fromkeys(t.fingerprint_key for t in request.targets):  # dedupe, keep order
+        cached = repo.find_artifact(
+            session, model_id=request.model_id, options_digest=digest, fingerprint_key=key
+        )
+        if cached is not None and repo.plugins_current(session, artifact_id=cached.id):
+            jobs.append(repo.create_cached_job(
+                session, model_id=request.model_id, options=request.options,
+                fingerprint_key=key, artifact_id=cached.id,
+            ))
+            continue
+        active = repo.find_active_job(
+            session, model_id=request.model_id, options_digest=digest, fingerprint_key=key
+        )
+        if active is not None:
+            jobs.append(active)
+            continue
+        job = repo.create_job(
+            session, model_id=request.model_id, options=request.options, fingerprint_key=key
+        )
+        if key not in served:  # its task waits in build.<key> until such a worker appears
+            repo.set_job_status(session, job_id=job.id, status=JobStatus.WAITING_FOR_HARDWARE)
+        jobs.append(job)
+        to_enqueue.append(job)
+    session.commit()  # the rows exist before any worker can pick a task up
+
+    failure: KilnError | None = None
+    for job in to_enqueue:
+        try:
+            enqueue_compile(queue, job_id=job.id, fingerprint_key=job.fingerprint_key)
+        except QueueUnavailable as exc:
+            repo.fail_job(session, job_id=job.id, error=exc.to_body())
+            session.commit()
+            failure = exc
+    if failure is not None:
+        raise failure
+    return CompileJobBatch(jobs=[repo.get_job(session, job_id=j.id) for j in jobs])
+
+
+@router.get("", response_model=list[CompileJob])
+def list_compile_jobs(
+    session: SessionDep,
+    _: ReaderPrincipal,
+    model_id: str | None = None,
+    status: JobStatus | None = None,
+    limit: Limit = 100,
+) -> list[CompileJob]:
+    return repo.list_jobs(session, model_id=model_id, status=status, limit=limit)
+
+
+@router.get("/{job_id}", response_model=CompileJob)
+def get_compile_job(job_id: str, session: SessionDep, _: ReaderPrincipal) -> CompileJob:
+    return repo.get_job(session, job_id=job_id)

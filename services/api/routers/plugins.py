@@ -1,0 +1,67 @@
+"""``/v1/plugins``: custom-op plugin bundles, content-addressed and versioned."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, File, Header, Response, UploadFile, status
+from starlette.concurrency import run_in_threadpool
+
+from artifact_store.bundles import read_bundle
+from schemas import BlobRef
+from schemas.errors import IntegrityError, InvalidRequest
+from schemas.plugins import PluginInfo
+from services.api.deps import AdminPrincipal, ReaderPrincipal, SessionDep, SettingsDep, StoreDep
+from services.api.transfers import DOWNLOAD_RESPONSES, blob_response, received_upload
+from services.db import repo
+
+router = APIRouter(prefix="/v1/plugins", tags=["plugins"])
+BUNDLE_MEDIA_TYPE = "application/x-tar"
+
+
+@router.post("", response_model=PluginInfo, status_code=status.HTTP_201_CREATED,
+             responses={200: {"description": "the same bundle was registered before"},
+                        409: {"description": "that name and version hold another bundle"}})
+async def push_plugin(
+    response: Response, session: SessionDep, store: StoreDep, settings: SettingsDep,
+    _: AdminPrincipal, file: Annotated[UploadFile, File(description="the bundle archive")],
+) -> PluginInfo:
+    """Register a bundle built by ``kiln plugin build``. It is validated completely first
+    (manifest, confined paths, file digests); a version is immutable."""
+    async with received_upload(file, max_bytes=settings.max_upload_bytes,
+                               what="a plugin bundle archive") as (path, _size):
+        try:
+            manifest = await run_in_threadpool(read_bundle, path)
+        except IntegrityError as exc:  # in an upload, a wrong digest is bad input
+            raise InvalidRequest(f"the bundle is inconsistent: {exc.message}",
+                                 **exc.details) from exc
+        ref = await run_in_threadpool(store.put_blob, path, name="plugin",
+                                      media_type=BUNDLE_MEDIA_TYPE)
+    info, created = repo.record_plugin(session, manifest=manifest, digest=ref.sha256,
+                                       size_bytes=ref.size)
+    session.commit()
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return info
+
+
+@router.get("", response_model=list[PluginInfo])
+def list_plugins(session: SessionDep, _: ReaderPrincipal) -> list[PluginInfo]:
+    return repo.list_plugins(session)
+
+
+@router.get("/{name}/{version}", response_model=PluginInfo)
+def get_plugin(name: str, version: str, session: SessionDep, _: ReaderPrincipal) -> PluginInfo:
+    return repo.get_plugin(session, name=name, version=version)
+
+
+@router.get("/{name}/{version}/bundle", responses=DOWNLOAD_RESPONSES)
+def download_bundle(
+    name: str, version: str, session: SessionDep, store: StoreDep, settings: SettingsDep,
+    _: ReaderPrincipal, range_header: str | None = Header(None, alias="Range"),
+):
+    """The bundle archive (its sha256 is the plugin's digest)."""
+    info = repo.get_plugin(session, name=name, version=version)
+    ref = BlobRef(name="plugin", sha256=info.digest, size=info.size_bytes,
+                  media_type=BUNDLE_MEDIA_TYPE)
+    return blob_response(store, ref, range_header, ttl_s=settings.presign_ttl_s)

@@ -1,0 +1,110 @@
+"""Engines, sessions and migrations for the control-plane database.
+
+PostgreSQL in production, a SQLite file in the embedded stack, where several processes (the
+API and the workers) share the file. On SQLite every transaction starts with
+``BEGIN IMMEDIATE``: transactions are serialized (waiting up to the busy timeout) instead of
+failing with "database is locked" when a reader later tries to write, and a read-then-update
+such as ``repo.start_job`` is atomic there as it is on PostgreSQL with ``FOR UPDATE``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from sqlalchemy.orm import Session, sessionmaker
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+ALEMBIC_INI = HERE / "alembic.ini"
+MIGRATIONS = HERE / "migrations"
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+# Alembic keeps its migration context in module globals: one upgrade per process at a time.
+_MIGRATE_LOCK = threading.Lock()
+
+
+def make_engine(url: str) -> sa.Engine:
+    """An engine for ``url``.
+
+    SQLite: foreign keys on, WAL journal, a 30 s busy timeout, and SQLAlchemy in charge of
+    ``BEGIN`` (so SAVEPOINTs and transactional DDL work). PostgreSQL: ``pool_pre_ping``.
+    """
+    return _engine(url, sqlite_foreign_keys=True)
+
+
+def _engine(url: str, *, sqlite_foreign_keys: bool) -> sa.Engine:
+    sa_url = sa.make_url(url)
+    if sa_url.get_backend_name() != "sqlite":
+        return sa.create_engine(sa_url, pool_pre_ping=True)
+    engine = sa.create_engine(sa_url)
+    pragmas = (
+        f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}",
+        "PRAGMA journal_mode = WAL",
+        f"PRAGMA foreign_keys = {'ON' if sqlite_foreign_keys else 'OFF'}",
+    )
+
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Stop the sqlite3 driver from issuing BEGIN itself (it skips SELECT and SAVEPOINT).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            for pragma in pragmas:
+                cursor.execute(pragma)
+        finally:
+            cursor.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(connection: sa.Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def make_session_factory(engine: sa.Engine) -> sessionmaker[Session]:
+    """Sessions bound to ``engine`` whose objects stay readable after commit."""
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+@contextmanager
+def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """One unit of work: commit when the block succeeds, roll back when it raises."""
+    session = factory()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def alembic_config(url: str) -> Config:
+    """The Alembic configuration shipped with this package, pointed at ``url``."""
+    config = Config(str(ALEMBIC_INI))
+    config.set_main_option("script_location", str(MIGRATIONS))
+    # Passed as an attribute, not a main option: ConfigParser would interpolate '%' in it.
+    config.attributes["url"] = url
+    config.attributes["configure_logging"] = False
+    return config
+
+
+def migrate(url: str) -> None:
+    """Upgrade the database at ``url`` to the newest schema (``alembic upgrade head``).
+
+    Idempotent, and safe when several processes start at once: the whole upgrade runs in one
+    transaction holding an advisory lock (PostgreSQL) or the write lock (SQLite); threads of
+    one process take turns.
+    """
+    log.info("migrating %s to head", sa.make_url(url).render_as_string(hide_password=True))
+    with _MIGRATE_LOCK:
+        command.upgrade(alembic_config(url), "head")
