@@ -1,0 +1,98 @@
+"""Compiler backends by name: a tiny registry and the choice of backend for a job.
+
+Registering stores an instance; no toolchain is imported until a backend builds.
+"""
+
+from __future__ import annotations
+
+from compiler_worker.backends.base import PIPELINE_VERSION, Backend, BuiltEngine
+from compiler_worker.backends.onnxruntime import OnnxRuntimeBackend
+from compiler_worker.backends.tensorrt import TensorRTBackend
+from schemas.errors import BackendUnavailable, KilnError
+from schemas.fingerprint import HardwareFingerprint
+from schemas.options import CompileOptions
+
+__all__ = [
+    "PIPELINE_VERSION",
+    "Backend",
+    "BuiltEngine",
+    "OnnxRuntimeBackend",
+    "TensorRTBackend",
+    "available",
+    "backend_for",
+    "get",
+    "names",
+    "register",
+]
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(name: str, backend: Backend, *, replace: bool = False) -> None:
+    """Register ``backend`` under ``name``. A duplicate raises unless ``replace`` is given
+    (a worker swaps in a configured instance, e.g. a TensorRT backend with a timing cache)."""
+    if name in _REGISTRY and not replace:
+        raise ValueError(
+            f"a backend is already registered as {name!r}: {_REGISTRY[name]!r}; pass "
+            f"replace=True to swap it"
+        )
+    _REGISTRY[name] = backend
+
+
+def get(name: str) -> Backend:
+    """The backend registered as ``name``; ``BackendUnavailable`` lists the registered ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise BackendUnavailable(
+            f"Could not find a registered backend for: {name!r}. Currently registered backends "
+            f"are: {names()}",
+            backend=name,
+            registered=names(),
+        ) from None
+
+
+def available() -> list[Backend]:
+    """Registered backends, highest priority first."""
+    return sorted(_REGISTRY.values(), key=lambda backend: -backend.priority)
+
+
+def names() -> list[str]:
+    """Registered backend names, highest priority first."""
+    return [name for name, _ in sorted(_REGISTRY.items(), key=lambda kv: -kv[1].priority)]
+
+
+def backend_for(fingerprint: HardwareFingerprint, options: CompileOptions) -> Backend:
+    """The backend that builds ``options`` for hardware like ``fingerprint``.
+
+    ``options.backends`` is tried in order; when empty, every registered backend is tried by
+    priority. A backend qualifies when it supports the fingerprint and accepts the options.
+    Raises ``BackendUnavailable`` saying why each candidate was refused.
+    """
+    candidates = list(options.backends) or names()
+    reasons: dict[str, str] = {}
+    for name in candidates:
+        if name not in _REGISTRY:
+            reasons[name] = "not registered"
+            continue
+        backend = _REGISTRY[name]
+        if not backend.supports(fingerprint):
+            reasons[name] = "does not support this hardware fingerprint"
+            continue
+        try:
+            backend.check_options(options)
+        except KilnError as exc:
+            reasons[name] = exc.message
+            continue
+        return backend
+    raise BackendUnavailable(
+        f"no backend can build these options for this hardware: "
+        f"{'; '.join(f'{n}: {r}' for n, r in reasons.items())} "
+        f"(requested {list(options.backends) or 'any'}, registered {names()})",
+        reasons=reasons,
+        registered=names(),
+    )
+
+
+register(OnnxRuntimeBackend.name, OnnxRuntimeBackend())
+register(TensorRTBackend.name, TensorRTBackend())

@@ -1,0 +1,515 @@
+"""The compile pipeline as plain functions: bytes and options in, a verified engine out.
+
+Stages, reported through ``on_stage(stage, progress)`` as they start: LOADING, CHECKING (the
+``check`` pass), OPTIMIZING (the graph passes), BUILDING (the backend), VERIFYING (the engine,
+run by its executor twin exactly as agents will run it, against the reference), BENCHMARKING.
+Publishing is the caller's: ``compile_model`` writes nothing outside ``workdir``.
+
+Custom ops. ``compile_model(..., plugins=[(PluginRef, bundle archive), ...])`` unpacks and
+loads each bundle (verified against its ref) for the target backend and device, refuses a
+model whose custom ops (nodes outside ``schemas.onnx_model.BUILTIN_DOMAINS``) no plugin declares
+(``UnknownOperator``) or whose plugin has no implementation for the target
+(``NoImplementation``), writes the ops' attribute defaults into the graph, infers their outputs
+with the shape functions (the ``custom_op_shapes`` pass), builds and verifies with the kernels
+registered in both the engine's and the reference's sessions, and records the plugins that
+provide the model's ops in ``manifest.plugins``. Their digests are part of the toolchain
+string, hence of the artifact id: a new plugin version makes a new artifact.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import onnx
+
+from artifact_store.digest import sha256_file
+from compiler_worker import backends
+from compiler_worker.backends.base import PIPELINE_VERSION, Backend
+from compiler_worker.benchmark import benchmark
+from compiler_worker.modelio import load_model_bytes, signature
+from compiler_worker.passes import default_pipeline
+from compiler_worker.passes.custom_op_shapes import fill_attribute_defaults
+from compiler_worker.verify import random_inputs, reference_runner, verify
+from runtime_agent.executors import MANIFEST_FILENAME, blob_filename, load_executor
+from runtime_agent.plugins import (
+    LoadedPlugin,
+    NoImplementation,
+    OpRegistry,
+    load_bundle,
+    runtime_abi,
+    split_op,
+)
+from schemas._canonical import canonical_json, sha256_hex
+from schemas.errors import (
+    CompileError,
+    Conflict,
+    IntegrityError,
+    InvalidRequest,
+    ModelCheckFailed,
+    UnknownOperator,
+    VerificationFailed,
+)
+from schemas.fingerprint import HardwareFingerprint
+from schemas.jobs import JobStage
+from schemas.manifest import ArtifactManifest, BenchmarkResult, BlobRef, VerificationResult
+from schemas.onnx_model import custom_ops
+from schemas.options import CompileOptions
+from schemas.plugins import PluginManifest, PluginRef
+
+if TYPE_CHECKING:
+    from runtime_agent.plugins.onnxruntime import SessionCustomOps
+
+__all__ = [
+    "PIPELINE_VERSION",
+    "PLUGINS_DIRNAME",
+    "BuildPlan",
+    "CompileResult",
+    "StageCallback",
+    "artifact_id_for",
+    "compile_model",
+    "plan_build",
+    "write_artifact_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+StageCallback = Callable[[JobStage, float], None]
+
+#: Overall progress when each stage starts.
+STAGE_PROGRESS = {
+    JobStage.LOADING: 0.0,
+    JobStage.CHECKING: 0.05,
+    JobStage.OPTIMIZING: 0.15,
+    JobStage.BUILDING: 0.25,
+    JobStage.VERIFYING: 0.6,
+    JobStage.BENCHMARKING: 0.8,
+}
+_STAGE_ORDER = list(STAGE_PROGRESS)
+#: Where an artifact directory keeps the plugin bundles its engine needs:
+#: ``plugins/<digest>.tar``.
+PLUGINS_DIRNAME = "plugins"
+
+
+@dataclass
+class CompileResult:
+    """A verified engine: its unsigned manifest and where its blobs are (inside ``workdir``)."""
+
+    manifest: ArtifactManifest
+    blob_paths: dict[str, Path]
+    #: Bundle archive of every plugin in ``manifest.plugins``, by digest (the caller's files).
+    plugin_paths: dict[str, Path] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """What a compile would produce, known before building: the cache key's parts."""
+
+    backend: Backend
+    fingerprint_key: str
+    toolchain: str
+    artifact_id: str
+
+
+def artifact_id_for(
+    model_sha256: str, options_digest: str, fingerprint_key: str, toolchain: str
+) -> str:
+    """The artifact id: the first 32 hex chars of the sha256 of the canonical cache key."""
+    key = {
+        "model_sha256": model_sha256,
+        "options_digest": options_digest,
+        "fingerprint_key": fingerprint_key,
+        "toolchain": toolchain,
+    }
+    return sha256_hex(canonical_json(key))[:32]
+
+
+def plugins_tag(plugins: Sequence[PluginRef]) -> str:
+    """``plugins-<16 hex>``: a digest of the plugin bundles' digests (order-free)."""
+    digests = sorted({ref.digest for ref in plugins})
+    return f"plugins-{sha256_hex(canonical_json({'plugins': digests}))[:16]}"
+
+
+def _toolchain(backend_toolchain: str, disabled_passes: frozenset[str],
+               plugins: Sequence[PluginRef] = ()) -> str:
+    # Disabling a pass changes the engine, so it is part of the toolchain (and the cache key);
+    # so are the plugin bundles the engine runs (a new plugin version, a new artifact).
+    toolchain = backend_toolchain
+    if disabled_passes:
+        toolchain += f"+without-{','.join(sorted(disabled_passes))}"
+    if plugins:
+        toolchain += f"+{plugins_tag(plugins)}"
+    return toolchain
+
+
+def plan_build(
+    model_sha256: str,
+    options: CompileOptions,
+    fingerprint: HardwareFingerprint,
+    *,
+    disabled_passes: frozenset[str] = frozenset(),
+    plugins: Sequence[PluginRef] = (),
+) -> BuildPlan:
+    """Backend, fingerprint key, toolchain and artifact id for a compile, without building.
+
+    ``plugins``: the plugin bundles providing the model's custom ops (their digests are part of
+    the toolchain). A caller looks the artifact id up in its store first: same key, same
+    artifact.
+    """
+    backend = backends.backend_for(fingerprint, options)
+    key = backend.fingerprint_key(fingerprint)
+    toolchain = _toolchain(backend.toolchain(), frozenset(disabled_passes), plugins)
+    return BuildPlan(
+        backend=backend,
+        fingerprint_key=key,
+        toolchain=toolchain,
+        artifact_id=artifact_id_for(model_sha256, options.digest(), key, toolchain),
+    )
+
+
+class _Stages:
+    """Reports each stage once, in order."""
+
+    def __init__(self, callback: StageCallback | None) -> None:
+        self.callback = callback
+        self.current: JobStage | None = None
+
+    def enter(self, stage: JobStage) -> None:
+        if self.current is not None and _STAGE_ORDER.index(stage) <= _STAGE_ORDER.index(
+            self.current
+        ):
+            return
+        self.current = stage
+        logger.info("stage %s", stage.value)
+        if self.callback is not None:
+            self.callback(stage, STAGE_PROGRESS[stage])
+
+
+def _fresh_dir(path: Path) -> Path:
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def _verification_message(result: VerificationResult) -> str:
+    worst = ", ".join(
+        f"{name}: max abs {s['max_abs_error']:.3g}, max rel {s['max_rel_error']:.3g}, "
+        f"{int(s['mismatched'])}/{int(s['elements'])} elements out of tolerance"
+        + "".join(f", {flag}" for flag in ("shape_mismatch", "missing") if flag in s)
+        + (f", {int(s['nonfinite_mismatched'])} NaN/inf mismatches"
+           if s["nonfinite_mismatched"] else "")
+        for name, s in result.per_output.items()
+    )
+    return (
+        f"the engine's outputs differ from the reference ({result.reference}) beyond the "
+        f"tolerance |engine - reference| <= atol + rtol*|reference| with atol={result.atol:g}, "
+        f"rtol={result.rtol:g} over {result.samples} sample(s): max abs error "
+        f"{result.max_abs_error:.3g}, max rel error {result.max_rel_error:.3g} ({worst})"
+    )
+
+
+@dataclass
+class _Plugins:
+    """The plugins a compile uses: loaded, their ops, and what the sessions register."""
+
+    loaded: list[LoadedPlugin] = field(default_factory=list)
+    registry: OpRegistry = field(default_factory=OpRegistry)
+    refs: list[PluginRef] = field(default_factory=list)
+    paths: dict[str, Path] = field(default_factory=dict)
+    session: SessionCustomOps | None = None
+
+
+def _target_device(backend: Backend) -> str:
+    return str(getattr(backend, "device", "cpu"))
+
+
+def _prepare_plugins(model_ops: set[str], plugins: Sequence[tuple[PluginRef, Path]],
+                     backend: Backend, model_opsets: dict[str, int], workdir: Path) -> _Plugins:
+    """Unpack and check every bundle, refuse ops nobody declares (before any plugin code is
+    imported), then load the plugins that provide the model's ops for the target."""
+    from artifact_store.bundles import extract_bundle
+
+    if not model_ops:
+        if plugins:
+            logger.info("the model has no custom ops; plugins %s are not needed",
+                        [f"{ref.name} {ref.version}" for ref, _ in plugins])
+        return _Plugins()
+    device = _target_device(backend)
+    root = workdir / PLUGINS_DIRNAME
+    manifests: list[tuple[PluginRef, Path, PluginManifest]] = []
+    for ref, archive in {ref.digest: (ref, Path(path)) for ref, path in plugins}.values():
+        if not archive.is_file():
+            raise InvalidRequest(f"plugin {ref.name} {ref.version}: bundle {archive} does not "
+                                 f"exist", plugin=ref.name)
+        manifest = extract_bundle(archive, root / ref.digest, digest=ref.digest)
+        if (manifest.name, manifest.version) != (ref.name, ref.version):
+            raise IntegrityError(
+                f"bundle {ref.digest[:12]} holds plugin {manifest.name} {manifest.version}, not "
+                f"{ref.name} {ref.version}", digest=ref.digest)
+        manifests.append((ref, archive, manifest))
+    provider: dict[str, tuple[PluginRef, Path, PluginManifest]] = {}
+    for entry in manifests:
+        for spec in entry[2].ops:
+            other = provider.setdefault(spec.qualified_name, entry)
+            if other is not entry and spec.qualified_name in model_ops:
+                raise Conflict(
+                    f"op {spec.qualified_name} is declared by plugin {other[0].name} "
+                    f"{other[0].version} and by plugin {entry[0].name} {entry[0].version}; "
+                    f"compile with one of them", op=spec.qualified_name)
+    missing = sorted(model_ops - set(provider))
+    if missing:
+        domains = sorted({split_op(op)[0] for op in missing})
+        raise UnknownOperator(
+            f"the model uses {missing} (domain(s) {domains}), which no plugin given to the "
+            f"compile declares; ops declared: {sorted(provider) or 'none'} (plugins "
+            f"{[f'{r.name} {r.version}' for r, _, _ in manifests] or 'none'})",
+            missing=missing, registered=sorted(provider),
+        )
+    if not getattr(backend, "accepts_plugins", False):
+        raise NoImplementation(
+            f"the model uses custom ops {sorted(model_ops)}; the {backend.name} backend builds "
+            f"no custom ops yet", backend=backend.name, ops=sorted(model_ops))
+    for op in sorted(model_ops):
+        spec = next(s for s in provider[op][2].ops if s.qualified_name == op)
+        domain = split_op(op)[0]
+        imported = model_opsets.get(domain)
+        if imported is not None and imported < spec.since_version:
+            raise ModelCheckFailed(
+                f"the model imports domain {domain!r} at version {imported}; op {op} exists from "
+                f"version {spec.since_version} (plugin {provider[op][0].name})", op=op)
+    used = {id(entry): entry for op, entry in provider.items() if op in model_ops}
+    result = _Plugins()
+    abi = runtime_abi(backend.name)
+    for ref, archive, manifest in sorted(used.values(), key=lambda e: e[0].name):
+        ops = sorted(op for op in model_ops if provider[op][2] is manifest)
+        result.loaded.append(load_bundle(archive, ref, root, target=(backend.name, device),
+                                         abi=abi, ops=ops))
+        result.refs.append(ref)
+        result.paths[ref.digest] = archive
+    result.registry = OpRegistry.union(p.registry for p in result.loaded)
+    from runtime_agent.plugins.onnxruntime import SessionCustomOps
+
+    result.session = SessionCustomOps.resolve(result.loaded, model_ops, device)
+    logger.info("custom ops %s from plugins %s", sorted(model_ops),
+                [f"{r.name} {r.version}" for r in result.refs])
+    return result
+
+
+def compile_model(
+    model_bytes: bytes,
+    options: CompileOptions,
+    *,
+    fingerprint: HardwareFingerprint,
+    workdir: Path,
+    on_stage: StageCallback | None = None,
+    disabled_passes: frozenset[str] = frozenset(),
+    plugins: Sequence[tuple[PluginRef, Path]] = (),
+) -> CompileResult:
+    """Compile ONNX bytes into a verified, benchmarked engine for hardware like ``fingerprint``.
+
+    ``fingerprint`` is the build host's; the caller makes sure it describes this machine.
+    ``plugins``: (ref, bundle archive) of the plugins that may provide the model's custom ops
+    (those that do are recorded in the manifest; others are ignored).
+    Raises ``InvalidModel``, ``ModelCheckFailed``, ``UnsupportedOpset``, ``InvalidOptions``,
+    ``BackendUnavailable``, ``UnknownOperator``, ``PluginError`` (``NoImplementation``,
+    ``AbiMismatch``, ``ShapeFunctionError``), ``IntegrityError`` (a bundle that does not match
+    its ref), ``CompileError`` or ``VerificationFailed``; on success the blobs lie in
+    ``workdir / "artifact"`` named as in an artifact directory, and the returned manifest is
+    complete but unsigned.
+    """
+    before = set(sys.modules)
+    try:
+        return _compile(model_bytes, options, fingerprint=fingerprint, workdir=Path(workdir),
+                        on_stage=on_stage, disabled_passes=disabled_passes, plugins=plugins)
+    except BaseException:
+        # A failed compile leaves no plugin module imported.
+        for name in [n for n in sys.modules if n not in before and n.startswith("_kiln_plugin_")]:
+            sys.modules.pop(name, None)
+        raise
+
+
+def _compile(
+    model_bytes: bytes,
+    options: CompileOptions,
+    *,
+    fingerprint: HardwareFingerprint,
+    workdir: Path,
+    on_stage: StageCallback | None,
+    disabled_passes: frozenset[str],
+    plugins: Sequence[tuple[PluginRef, Path]],
+) -> CompileResult:
+    stages = _Stages(on_stage)
+    workdir.mkdir(parents=True, exist_ok=True)
+    disabled = frozenset(disabled_passes)
+
+    stages.enter(JobStage.LOADING)
+    model_sha256 = sha256_hex(model_bytes)
+    submitted = load_model_bytes(model_bytes)
+    model_ops = custom_ops(submitted)
+    used = _prepare_plugins(
+        model_ops, plugins, backends.backend_for(fingerprint, options),
+        {o.domain: o.version for o in submitted.opset_import}, workdir)
+    if model_ops:
+        submitted = fill_attribute_defaults(submitted, used.registry)
+    passes = default_pipeline(disabled, custom_ops=used.registry)
+    plan = plan_build(model_sha256, options, fingerprint, disabled_passes=disabled,
+                      plugins=used.refs)
+    logger.info("compiling model %s with %s for %s (artifact %s)", model_sha256[:12],
+                plan.backend.name, plan.fingerprint_key, plan.artifact_id)
+
+    stages.enter(JobStage.CHECKING)
+    prepared = passes.run(submitted, before_pass=lambda p: stages.enter(p.stage))
+    stages.enter(JobStage.OPTIMIZING)
+    inputs, outputs = signature(prepared)
+    random_inputs(inputs, options, seed=options.seed)  # refuse unusable shapes before building
+    prepared_path = workdir / "prepared.onnx"
+    onnx.save_model(prepared, prepared_path)
+
+    stages.enter(JobStage.BUILDING)
+    build_kwargs = {"custom_ops": used.session} if used.session else {}
+    built = plan.backend.build(
+        prepared_path, options, _fresh_dir(workdir / "build"), fingerprint=fingerprint,
+        **build_kwargs,
+    )
+    toolchain = _toolchain(built.toolchain, disabled, used.refs)
+    if toolchain != plan.toolchain:
+        raise CompileError(
+            f"the backend built with toolchain {toolchain!r}, but the plan (and the artifact id) "
+            f"assumed {plan.toolchain!r}; is the worker's toolchain installation consistent?"
+        )
+    artifact_dir = _fresh_dir(workdir / "artifact")
+    blobs: list[BlobRef] = []
+    blob_paths: dict[str, Path] = {}
+    for name, path, media_type in built.blobs:
+        path = Path(path)
+        ref = BlobRef(name=name, sha256=sha256_file(path)[0], size=path.stat().st_size,
+                      media_type=media_type)
+        destination = artifact_dir / blob_filename(ref)
+        os.replace(path, destination)
+        blobs.append(ref)
+        blob_paths[name] = destination
+
+    manifest = ArtifactManifest(
+        artifact_id=plan.artifact_id,
+        model_sha256=model_sha256,
+        options_digest=options.digest(),
+        options=options,
+        backend=plan.backend.name,
+        fingerprint_key=plan.fingerprint_key,
+        compatibility_key=plan.backend.compatibility_key(
+            fingerprint, options, dict(built.runtime_config)),
+        toolchain=toolchain,
+        build_fingerprint=fingerprint,
+        blobs=blobs,
+        inputs=inputs,
+        outputs=outputs,
+        runtime_config=dict(built.runtime_config),
+        plugins=list(used.refs),
+        passes=list(passes.applied),
+        # Placeholders until verification and benchmarking fill them in below.
+        verification=VerificationResult(
+            passed=False, samples=0, max_abs_error=0.0, max_rel_error=0.0,
+            atol=options.tolerance.atol, rtol=options.tolerance.rtol, reference="pending",
+        ),
+        benchmark=BenchmarkResult(iterations=0, warmup=0, p50_ms=0.0, p90_ms=0.0, mean_ms=0.0,
+                                  min_ms=0.0),
+        created_at=datetime.now(UTC),
+    )
+
+    stages.enter(JobStage.VERIFYING)
+    executor = load_executor(artifact_dir, manifest, used.loaded)
+    output_names = [spec.name for spec in outputs]
+    reference = reference_runner(submitted, prepared, output_names, custom_ops=used.session)
+    verification = verify(executor.run, reference.run, inputs, options, reference=reference.name)
+    if not verification.passed:
+        raise VerificationFailed(
+            _verification_message(verification), **verification.model_dump(mode="json")
+        )
+
+    stages.enter(JobStage.BENCHMARKING)
+    feed = random_inputs(inputs, options, seed=options.seed)
+    iterations = options.benchmark_iterations
+    warmup = min(10, max(1, iterations // 10))
+    engine_bench = benchmark(executor.run, feed, iterations=iterations, warmup=warmup)
+    reference_bench = benchmark(reference.run, feed, iterations=iterations, warmup=warmup)
+    manifest = manifest.model_copy(update={
+        "verification": verification,
+        "benchmark": engine_bench.model_copy(update={"reference_p50_ms": reference_bench.p50_ms}),
+        "created_at": datetime.now(UTC),
+    })
+    logger.info("artifact %s ready: p50 %.3f ms (reference %.3f ms)", manifest.artifact_id,
+                engine_bench.p50_ms, reference_bench.p50_ms)
+    return CompileResult(manifest=manifest, blob_paths=blob_paths, plugin_paths=used.paths)
+
+
+def write_artifact_dir(
+    result: CompileResult, out_dir: Path, manifest: ArtifactManifest | None = None
+) -> Path:
+    """Write ``manifest.json`` and the blobs (named by ``blob_filename``) to ``out_dir``.
+
+    ``manifest`` defaults to ``result.manifest`` (pass the signed one to write that). Every blob
+    is checked against the manifest's size and sha256 as it is copied; so is every plugin
+    bundle the manifest names, copied to ``plugins/<digest>.tar`` (where ``kiln.runtime.load``
+    finds them). The directory appears atomically: it is built in a temporary sibling, then
+    renamed. An existing ``out_dir`` is refused (``Conflict``).
+    """
+    manifest = manifest if manifest is not None else result.manifest
+    if manifest.artifact_id != result.manifest.artifact_id:
+        raise InvalidRequest(
+            f"the manifest is for artifact {manifest.artifact_id}, the result for "
+            f"{result.manifest.artifact_id}"
+        )
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise Conflict(f"{out_dir} already exists; choose a new directory for the artifact")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        for ref in manifest.blobs:
+            source = result.blob_paths.get(ref.name)
+            if source is None:
+                raise IntegrityError(
+                    f"the manifest lists blob {ref.name!r}; the result has "
+                    f"{sorted(result.blob_paths)}"
+                )
+            destination = staging / blob_filename(ref)
+            shutil.copyfile(source, destination)
+            size, digest = destination.stat().st_size, sha256_file(destination)[0]
+            if size != ref.size or digest != ref.sha256:
+                raise IntegrityError(
+                    f"blob {ref.name!r} ({source}) has {size} bytes and sha256 {digest}; the "
+                    f"manifest lists {ref.size} bytes and sha256 {ref.sha256}"
+                )
+        for plugin in manifest.plugins:
+            source = result.plugin_paths.get(plugin.digest)
+            if source is None:
+                raise IntegrityError(
+                    f"the manifest names plugin {plugin.name} {plugin.version} "
+                    f"({plugin.digest}); the result has no bundle for it"
+                )
+            destination = staging / PLUGINS_DIRNAME / f"{plugin.digest}.tar"
+            destination.parent.mkdir(exist_ok=True)
+            shutil.copyfile(source, destination)
+            digest = sha256_file(destination)[0]
+            if digest != plugin.digest:
+                raise IntegrityError(
+                    f"plugin bundle {source} has sha256 {digest}; the manifest names "
+                    f"{plugin.name} {plugin.version} with {plugin.digest}"
+                )
+        (staging / MANIFEST_FILENAME).write_text(manifest.model_dump_json(indent=2) + "\n")
+        staging.chmod(0o755)
+        os.rename(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("wrote artifact %s to %s", manifest.artifact_id, out_dir)
+    return out_dir

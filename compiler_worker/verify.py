@@ -1,0 +1,247 @@
+"""Numerics verification: the built engine against a reference, on seeded random inputs.
+
+The reference is the model as submitted (checked, not transformed by any pass) on onnxruntime
+with every graph optimization disabled (``ORT_DISABLE_ALL``). An output element passes when
+``|engine - reference| <= atol + rtol * |reference|``; positions where both are NaN, or both
+the same infinity, agree; any other non-finite difference, a shape mismatch or a missing output
+fails.
+
+A model with custom ops is compared the same way: the reference session registers the same
+plugins' kernels and libraries as the engine (the shared onnxruntime-extensions table holds one
+kernel per op), so verification checks what the engine's optimizations did around them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnx
+
+from compiler_worker.modelio import UNKNOWN_RANK
+from runtime_agent.samples import INT_HIGH as INT_HIGH  # re-exported: the range of int feeds
+from runtime_agent.samples import sample_inputs
+from schemas.errors import CompileError, InvalidOptions, KilnError
+from schemas.manifest import TensorSpec, VerificationResult
+from schemas.options import CompileOptions
+
+if TYPE_CHECKING:
+    from runtime_agent.plugins.onnxruntime import SessionCustomOps
+
+logger = logging.getLogger(__name__)
+
+Runner = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
+
+
+def input_shape(spec: TensorSpec, options: CompileOptions) -> list[int]:
+    """The concrete shape verification and benchmarking feed for ``spec``.
+
+    With a profile in ``options.shapes[spec.name]``: its ``opt`` shape (which must keep the fixed
+    dimensions). Without one, a dynamic first dimension (the batch) becomes 1; any other
+    dynamic dimension, or an unknown rank, needs a profile (``InvalidOptions``).
+    """
+    profile = options.shapes.get(spec.name)
+    if list(spec.shape) == UNKNOWN_RANK:
+        if profile is None:
+            raise InvalidOptions(
+                f"input {spec.name!r} has an unknown rank; give options.shapes[{spec.name!r}] "
+                f"(min/opt/max)"
+            )
+        return list(profile.opt)
+    if profile is not None:
+        if len(profile.opt) != len(spec.shape):
+            raise InvalidOptions(
+                f"options.shapes[{spec.name!r}] has rank {len(profile.opt)}; input "
+                f"{spec.name!r} has shape {list(spec.shape)} (rank {len(spec.shape)})"
+            )
+        for axis, (dim, opt) in enumerate(zip(spec.shape, profile.opt, strict=True)):
+            if isinstance(dim, int) and dim != opt:
+                raise InvalidOptions(
+                    f"options.shapes[{spec.name!r}].opt {list(profile.opt)} changes dimension "
+                    f"{axis}, which is fixed at {dim} in input shape {list(spec.shape)}"
+                )
+        return list(profile.opt)
+    shape: list[int] = []
+    for axis, dim in enumerate(spec.shape):
+        if isinstance(dim, int):
+            shape.append(dim)
+        elif axis == 0:
+            shape.append(1)
+        else:
+            raise InvalidOptions(
+                f"input {spec.name!r} has dynamic dimension {dim!r} at axis {axis} (shape "
+                f"{list(spec.shape)}); give options.shapes[{spec.name!r}] with min/opt/max so "
+                f"Kiln knows which shape to verify and benchmark"
+            )
+    return shape
+
+
+def random_inputs(
+    specs: list[TensorSpec], options: CompileOptions, *, seed: int
+) -> dict[str, np.ndarray]:
+    """One seeded random feed for ``specs`` (same seed, same arrays).
+
+    Shapes come from ``input_shape``; the arrays are drawn by ``runtime_agent.samples``
+    (floats standard normal, integers uniform in ``[0, INT_HIGH)``, booleans fair coin flips).
+    """
+    names = [spec.name for spec in specs]
+    unknown = sorted(set(options.shapes) - set(names))
+    if unknown:
+        raise InvalidOptions(
+            f"options.shapes names {unknown}, which are not inputs; the inputs are {names}",
+            unknown=unknown,
+            inputs=names,
+        )
+    return sample_inputs(
+        specs, {spec.name: input_shape(spec, options) for spec in specs}, seed=seed
+    )
+
+
+@dataclass
+class _OutputStats:
+    elements: int = 0
+    mismatched: int = 0
+    nonfinite_mismatched: int = 0
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    flags: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not (self.mismatched or self.nonfinite_mismatched or self.flags)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "max_abs_error": self.max_abs_error,
+            "max_rel_error": self.max_rel_error,
+            "elements": float(self.elements),
+            "mismatched": float(self.mismatched),
+            "nonfinite_mismatched": float(self.nonfinite_mismatched),
+            **self.flags,
+        }
+
+    def add(self, got: Any, ref: Any, atol: float, rtol: float) -> None:
+        got, ref = np.asarray(got), np.asarray(ref)
+        if got.shape != ref.shape:
+            self.flags["shape_mismatch"] = 1.0
+            logger.warning("engine output shape %s, reference %s", got.shape, ref.shape)
+            return
+        self.elements += ref.size
+        if ref.dtype.kind in "OSU" or got.dtype.kind in "OSU":
+            self.mismatched += int(np.count_nonzero(got != ref))
+            return
+        g = got.astype(np.float64)
+        r = ref.astype(np.float64)
+        finite = np.isfinite(g) & np.isfinite(r)
+        agreeing = (np.isnan(g) & np.isnan(r)) | (np.isinf(r) & (g == r))
+        self.nonfinite_mismatched += int(np.count_nonzero(~finite & ~agreeing))
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.where(finite, np.abs(g - r), 0.0)
+        magnitude = np.abs(np.where(finite, r, 0.0))
+        self.mismatched += int(np.count_nonzero(diff > atol + rtol * magnitude))
+        if diff.size:
+            self.max_abs_error = max(self.max_abs_error, float(diff.max()))
+            nonzero = magnitude > 0
+            if nonzero.any():
+                rel = diff[nonzero] / magnitude[nonzero]
+                self.max_rel_error = max(self.max_rel_error, float(rel.max()))
+
+
+def verify(
+    engine_run: Runner,
+    reference_run: Runner,
+    specs: list[TensorSpec],
+    options: CompileOptions,
+    *,
+    reference: str = "onnxruntime ORT_DISABLE_ALL on the submitted model",
+) -> VerificationResult:
+    """Compare the engine with the reference on ``options.verify_samples`` random feeds.
+
+    Feed ``i`` uses seed ``options.seed + i``. ``max_rel_error`` is taken over elements whose
+    reference is non-zero (where it is zero, only ``atol`` applies). ``reference`` names what
+    produced the reference outputs. Never raises on a numeric mismatch: the result says.
+    """
+    atol, rtol = options.tolerance.atol, options.tolerance.rtol
+    stats: dict[str, _OutputStats] = {}
+    for sample in range(options.verify_samples):
+        feed = random_inputs(specs, options, seed=options.seed + sample)
+        expected = reference_run(feed)
+        got = engine_run(feed)
+        for name, ref in expected.items():
+            entry = stats.setdefault(name, _OutputStats())
+            if name not in got:
+                entry.flags["missing"] = 1.0
+                continue
+            entry.add(got[name], ref, atol, rtol)
+    if not stats:
+        raise CompileError("the reference produced no outputs to verify against")
+    result = VerificationResult(
+        passed=all(s.passed for s in stats.values()),
+        samples=options.verify_samples,
+        max_abs_error=max(s.max_abs_error for s in stats.values()),
+        max_rel_error=max(s.max_rel_error for s in stats.values()),
+        atol=atol,
+        rtol=rtol,
+        reference=reference,
+        per_output={name: s.as_dict() for name, s in stats.items()},
+    )
+    logger.info(
+        "verification %s: max abs %.3g, max rel %.3g (atol %g, rtol %g, %d samples)",
+        "passed" if result.passed else "FAILED", result.max_abs_error, result.max_rel_error,
+        atol, rtol, result.samples,
+    )
+    return result
+
+
+class OnnxRuntimeReference:
+    """The reference runner: a model on onnxruntime's CPU provider, optimizations disabled."""
+
+    def __init__(self, model: onnx.ModelProto, output_names: list[str], description: str,
+                 custom_ops: SessionCustomOps | None = None) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.log_severity_level = 3
+        if custom_ops:
+            custom_ops.apply(options)
+            description += " with the plugins' custom ops"
+        self.session = ort.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+        self.output_names = output_names
+        self.name = f"onnxruntime {ort.__version__} CPUExecutionProvider ORT_DISABLE_ALL on " \
+                    f"{description}"
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values = self.session.run(self.output_names, dict(inputs))
+        return dict(zip(self.output_names, values, strict=True))
+
+
+def reference_runner(
+    submitted: onnx.ModelProto, prepared: onnx.ModelProto, output_names: list[str],
+    custom_ops: SessionCustomOps | None = None,
+) -> OnnxRuntimeReference:
+    """The reference for verification: the submitted model, or — only when onnxruntime cannot
+    load it (an opset older than it supports) — the model after Kiln's passes, which the
+    reference name then says. ``custom_ops`` are registered with its session."""
+    try:
+        return OnnxRuntimeReference(submitted, output_names, "the submitted model", custom_ops)
+    except KilnError:  # the plugins, not the model: nothing to fall back on
+        raise
+    except Exception as exc:  # onnxruntime raises its own untyped errors
+        logger.warning("onnxruntime cannot load the submitted model (%s); the reference is the "
+                       "model after Kiln's passes", exc)
+        try:
+            return OnnxRuntimeReference(
+                prepared, output_names,
+                "the model after Kiln's passes (onnxruntime cannot load the submitted one)",
+                custom_ops,
+            )
+        except Exception as exc2:
+            raise CompileError(
+                f"onnxruntime cannot run the model as a reference: {exc2}"
+            ) from exc2
