@@ -1,0 +1,135 @@
+"""Runtime-agent configuration: one pydantic-settings class, ``KILN_AGENT_<NAME>`` variables.
+
+Lists and maps are read from the environment either as JSON or in the short form the CLI
+takes: ``KILN_AGENT_LABELS=zone=a,tier=gpu``, ``KILN_AGENT_TRUSTED_KEYS=/k/a.pub,/k/b.pub``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from artifact_store.signing import Verifier, load_verifier
+from schemas.agents import AGENT_NAME_PATTERN
+from schemas.deployments import LABEL_KEY_PATTERN
+from schemas.errors import ConfigError
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """``"zone=a,tier=gpu"`` (or a JSON object) → ``{"zone": "a", "tier": "gpu"}``.
+
+    Raises ``ConfigError`` for a pair without ``=`` or a key outside ``LABEL_KEY_PATTERN``.
+    """
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            labels = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"labels {text!r} are not a JSON object: {exc}") from exc
+        if not isinstance(labels, dict):
+            raise ConfigError(f"labels {text!r} must be a JSON object of strings")
+        pairs = [(str(k), str(v)) for k, v in labels.items()]
+    else:
+        pairs = []
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ConfigError(f"label {item!r} must be written key=value (in {text!r})")
+            pairs.append((key.strip(), value.strip()))
+    for key, _ in pairs:
+        if not re.match(LABEL_KEY_PATTERN, key):
+            raise ConfigError(f"label key {key!r} must match {LABEL_KEY_PATTERN}")
+    return dict(pairs)
+
+
+def _default_name() -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", socket.gethostname()).strip("-._")
+    return name[:128] or "agent"
+
+
+class AgentSettings(BaseSettings):
+    """Everything a runtime agent is told; ``KILN_AGENT_<FIELD>`` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="KILN_AGENT_", env_file=None, extra="ignore")
+
+    #: The control plane.
+    api_url: str = "http://127.0.0.1:8000"
+    #: Bearer token with the ``agent`` role (``kiln token --role agent``).
+    token: str | None = None
+    #: The agent's name in the fleet; default: the host name.
+    name: str = Field(default_factory=_default_name, pattern=AGENT_NAME_PATTERN)
+    #: Matched by deployment selectors.
+    labels: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+    cache_dir: Path = Path(".kiln/agent-cache")
+    #: Least-recently-used artifacts beyond this are evicted (never one in use).
+    cache_max_bytes: int = Field(10 * GiB, ge=0)
+    #: Heartbeat period until the control plane names its own.
+    heartbeat_s: float = Field(5.0, gt=0)
+    serve_host: str = "127.0.0.1"
+    #: The inference server's port; 0 runs no server.
+    serve_port: int = Field(8100, ge=0, le=65535)
+    #: The URL reported to the control plane; default ``http://<serve_host>:<serve_port>``.
+    advertise_url: str | None = None
+    #: A declared ``HardwareFingerprint`` (JSON) instead of detection.
+    fingerprint_file: Path | None = None
+    #: Ed25519 public keys (PEM files); a manifest no trusted key signed is never loaded.
+    trusted_keys: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    #: Largest inference request body (JSON or npz, also after decompression).
+    max_body_bytes: int = Field(64 * MiB, ge=1)
+    #: Timeout of each HTTP call to the control plane (and of each blob read).
+    request_timeout_s: float = Field(30.0, gt=0)
+    log_level: str = "INFO"
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _labels(cls, value: Any) -> Any:
+        return parse_labels(value) if isinstance(value, str) else value
+
+    @field_validator("trusted_keys", mode="before")
+    @classmethod
+    def _trusted_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            return json.loads(text) if text.startswith("[") else [
+                part.strip() for part in text.split(",") if part.strip()
+            ]
+        return value
+
+    @property
+    def serve_url(self) -> str | None:
+        """Where the inference server is reachable, or ``None`` when none runs."""
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        if not self.serve_port:
+            return None
+        host = self.serve_host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.serve_port}"
+
+    def verifier(self) -> Verifier:
+        """The trusted keys, loaded; ``ConfigError`` when none are given or one cannot load."""
+        if not self.trusted_keys:
+            raise ConfigError(
+                "the agent loads only artifacts whose manifest a trusted key signed, and no "
+                "trusted key is configured: set KILN_AGENT_TRUSTED_KEYS (paths of Ed25519 "
+                "public keys, PEM) or pass --trusted-key (the embedded stack's key is "
+                "$KILN_HOME/signing.key.pub)"
+            )
+        return load_verifier(list(self.trusted_keys))
+
+
+@lru_cache
+def get_settings() -> AgentSettings:
+    """The agent's settings from the environment, read once."""
+    return AgentSettings()

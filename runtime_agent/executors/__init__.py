@@ -1,0 +1,142 @@
+"""Executors by backend name: a tiny registry, and ``load_executor`` for an artifact directory.
+
+Each executor is the twin of a compiler backend of the same name. Registering a class imports
+nothing heavy: the runtime library is imported when an executor loads an engine.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from runtime_agent.executors.base import MANIFEST_FILENAME, Executor, blob_filename
+from runtime_agent.executors.onnxruntime import OnnxRuntimeExecutor
+from runtime_agent.executors.tensorrt import TensorRTExecutor
+from runtime_agent.plugins import LoadedPlugin, load_bundle
+from schemas.errors import BackendUnavailable, NotFound
+from schemas.fingerprint import HardwareFingerprint
+from schemas.manifest import ArtifactManifest
+
+__all__ = [
+    "MANIFEST_FILENAME",
+    "Executor",
+    "OnnxRuntimeExecutor",
+    "TensorRTExecutor",
+    "blob_filename",
+    "get",
+    "load_executor",
+    "load_plugins",
+    "node_compatibility_keys",
+    "node_fingerprint_keys",
+    "register",
+    "registered",
+]
+
+_REGISTRY: dict[str, type[Executor]] = {}
+
+
+def register(name: str, cls: type[Executor]) -> None:
+    """Register an executor class for backend ``name``; a duplicate name raises ``ValueError``."""
+    if name in _REGISTRY:
+        raise ValueError(
+            f"an executor is already registered for backend {name!r}: "
+            f"{_REGISTRY[name].__qualname__}"
+        )
+    _REGISTRY[name] = cls
+
+
+def get(name: str) -> type[Executor]:
+    """The executor class for backend ``name``."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise BackendUnavailable(
+            f"Could not find a registered executor for backend: {name!r}. Currently registered "
+            f"backends are: {registered()}",
+            backend=name,
+            registered=registered(),
+        ) from None
+
+
+def registered() -> list[str]:
+    """Backend names that have an executor here."""
+    return sorted(_REGISTRY)
+
+
+def node_fingerprint_keys(fingerprint: HardwareFingerprint) -> dict[str, str]:
+    """Backend name → this node's fingerprint key, for every executor that supports it."""
+    return {
+        name: cls.fingerprint_key(fingerprint)
+        for name, cls in sorted(_REGISTRY.items())
+        if cls.supports(fingerprint)
+    }
+
+
+def node_compatibility_keys(fingerprint: HardwareFingerprint) -> dict[str, list[str]]:
+    """Backend name → the coarser compatibility keys of the engines this node also runs, for
+    every executor that supports it and has any (an artifact whose ``compatibility_key`` is
+    listed for its backend runs here; see ``Executor.compatibility_keys``)."""
+    keys = {
+        name: cls.compatibility_keys(fingerprint)
+        for name, cls in sorted(_REGISTRY.items())
+        if cls.supports(fingerprint)
+    }
+    return {name: found for name, found in keys.items() if found}
+
+
+def load_executor(artifact_dir: Path, manifest: ArtifactManifest,
+                  plugins: Sequence[LoadedPlugin] = ()) -> Executor:
+    """Load the engine in ``artifact_dir`` with the executor of ``manifest.backend``, with the
+    custom-op ``plugins`` it needs (``load_plugins``) registered first."""
+    return get(manifest.backend)(Path(artifact_dir), manifest, plugins)
+
+
+def load_plugins(manifest: ArtifactManifest, bundles: Mapping[str, Path],
+                 extract_root: Path) -> list[LoadedPlugin]:
+    """Load the plugins ``manifest`` names, for the executor that will run it.
+
+    ``bundles`` maps each plugin's digest to its bundle archive; each is verified against the
+    manifest's ``PluginRef``, unpacked under ``extract_root`` and loaded for the executor's
+    backend and device (every op the engine runs needs an implementation there:
+    ``NoImplementation``) and ABI (``AbiMismatch``). When one plugin is refused, the modules of
+    those loaded before it in this call are unloaded again: nothing stays loaded.
+    """
+    if not manifest.plugins:
+        return []
+    executor_cls = get(manifest.backend)
+    if not executor_cls.supports_plugins:
+        raise BackendUnavailable(
+            f"artifact {manifest.artifact_id} needs custom-op plugins "
+            f"{[f'{r.name} {r.version}' for r in manifest.plugins]}; the {manifest.backend} "
+            f"executor runs no plugins", artifact_id=manifest.artifact_id,
+        )
+    target = (manifest.backend, executor_cls.device_for(manifest.runtime_config))
+    abi = executor_cls.plugin_abi()
+    entries = list(manifest.runtime_config.get("custom_ops") or [])  # type: ignore[call-overload]
+    before = set(sys.modules)
+    loaded: list[LoadedPlugin] = []
+    try:
+        for ref in manifest.plugins:
+            archive = bundles.get(ref.digest)
+            if archive is None or not Path(archive).is_file():
+                raise NotFound(
+                    f"artifact {manifest.artifact_id} needs plugin {ref.name} {ref.version} "
+                    f"({ref.digest}); its bundle is not here{f' ({archive})' if archive else ''}",
+                    plugin=ref.name, digest=ref.digest,
+                )
+            ops = [e["op"] for e in entries
+                   if isinstance(e, dict) and e.get("plugin") == ref.digest]
+            loaded.append(load_bundle(Path(archive), ref, extract_root, target=target, abi=abi,
+                                      ops=ops))
+    except BaseException:
+        for plugin in loaded:
+            for name in [n for n in sys.modules if n not in before
+                         and (n == plugin.package or n.startswith(plugin.package + "."))]:
+                sys.modules.pop(name, None)
+        raise
+    return loaded
+
+
+register(OnnxRuntimeExecutor.backend, OnnxRuntimeExecutor)
+register(TensorRTExecutor.backend, TensorRTExecutor)

@@ -1,0 +1,496 @@
+"""Executor twin of ``compiler_worker.backends.tensorrt``: runs a serialized TensorRT plan.
+
+What has been run, and what has not. This module imports on any machine: ``tensorrt`` and the
+CUDA array library are imported when an engine loads. Its key and compatibility rules
+(``supports``, ``fingerprint_key``, ``compatibility_key``, ``compatibility_keys``,
+``compatible``) are plain Python and unit-tested. Loading and running a plan (``_load``,
+``_run``, the device-memory helpers) are written against TensorRT's documented Python API
+(TensorRT >= 8.5: ``trt.Runtime``, ``deserialize_cuda_engine``, name-based I/O tensors,
+``set_input_shape``, ``set_tensor_address``, ``execute_async_v3``) and the documented APIs of
+``torch`` / ``cuda-python``, but have NOT been run: no machine this was written on had TensorRT
+or a GPU, and nothing here is ever faked. Treat the first GPU run as their first test.
+
+Keys and compatibility (TensorRT's "Hardware Compatibility" and "Version Compatibility"):
+
+- exact key ``trt-sm<CC>-<GPU name>-trt<major.minor>``: a default plan runs only there;
+- a plan built with ``hardware_compatibility_level`` ``ampere_plus`` runs on every discrete
+  GPU of compute capability >= 8.0, ``same_compute_capability`` on every discrete GPU of the
+  build GPU's compute capability. TensorRT supports hardware compatibility on Ampere and later
+  only, from 8.6 on, and not on Jetson / DRIVE (integrated GPUs,
+  ``INTEGRATED_COMPUTE_CAPABILITIES``); Kiln also gives version-compatible plans built or run
+  on integrated GPUs no compatibility key (a conservative assumption: only the exact key);
+- a ``version_compatible`` plan also runs under a later TensorRT of the same major version
+  (built with >= 8.6). The support matrix says "within the same major version"; newer guides
+  also allow some cross-major pairs (8 → 10, 10 → 11) with API caveats — Kiln stays with the
+  support matrix;
+- plans are not portable across platforms, so the compatibility keys carry the host CPU
+  architecture (Kiln nodes run Linux).
+
+As keys: an engine's compatibility key is ``trt-<hardware>-<arch>-trt<major.minor>[-vc]`` with
+``<hardware>`` ``ampere-plus``, ``sm<CC>``, or — a version-compatible plan without hardware
+compatibility — ``sm<CC>-<GPU name>``; a node lists every such key it runs, including the
+``-vc`` keys of each earlier minor version of its TensorRT major. ``compatible()`` states the
+same rules directly; tests check the two agree.
+
+``runtime_config`` keys (written by the backend): ``hardware_compatibility_level``,
+``version_compatible``, ``precision``, ``profiles``, ``plugin_libraries``. Plugin libraries are
+not loaded here: the agent's plugin loader loads them into the process before the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from runtime_agent.executors.base import Executor
+from runtime_agent.fingerprint import major_minor, slug, version_tuple
+from runtime_agent.samples import numpy_dtype
+from schemas.errors import BackendUnavailable, InvalidRequest, KilnError
+from schemas.fingerprint import AcceleratorInfo, HardwareFingerprint
+
+logger = logging.getLogger(__name__)
+
+#: ``hardware_compatibility_level`` values → ``trt.HardwareCompatibilityLevel`` member names.
+HARDWARE_COMPATIBILITY_LEVELS = {
+    "none": "NONE",
+    "ampere_plus": "AMPERE_PLUS",
+    "same_compute_capability": "SAME_COMPUTE_CAPABILITY",
+}
+#: First compute capability of the Ampere generation.
+AMPERE = (8, 0)
+#: First TensorRT version with hardware and version compatibility.
+COMPAT_MIN_TRT = (8, 6)
+#: Compute capabilities that only integrated (Jetson / DRIVE) GPUs have, from NVIDIA's CUDA GPU
+#: list: TX1/Nano 5.3, TX2 6.2, Xavier 7.2, Orin 8.7, Thor 10.1 (11.0 from CUDA 13 on).
+INTEGRATED_COMPUTE_CAPABILITIES = frozenset({(5, 3), (6, 2), (7, 2), (8, 7), (10, 1), (11, 0)})
+
+
+def cuda_device(fingerprint: HardwareFingerprint) -> AcceleratorInfo | None:
+    """The first CUDA accelerator of a fingerprint (the one a build targets)."""
+    return next((a for a in fingerprint.accelerators if a.kind == "cuda"), None)
+
+
+def compute_capability(accelerator: AcceleratorInfo) -> tuple[int, int] | None:
+    """``"8.6"`` → ``(8, 6)``; ``None`` when absent or malformed."""
+    parts = version_tuple(accelerator.compute_capability)
+    return (parts[0], parts[1]) if len(parts) >= 2 else None
+
+
+def is_integrated(accelerator: AcceleratorInfo) -> bool:
+    """Whether the GPU is a Jetson / DRIVE integrated GPU (by compute capability)."""
+    return compute_capability(accelerator) in INTEGRATED_COMPUTE_CAPABILITIES
+
+
+def _identity(fingerprint: HardwareFingerprint) -> tuple[tuple[int, int], str, bool]:
+    """(compute capability, GPU name slug, integrated) of the fingerprint's CUDA device;
+    ``((0, 0), "", False)`` without one."""
+    device = cuda_device(fingerprint)
+    if device is None:
+        return (0, 0), "", False
+    return compute_capability(device) or (0, 0), slug(device.name), is_integrated(device)
+
+
+def _portable_toolchain(fingerprint: HardwareFingerprint) -> tuple[int, int] | None:
+    """TensorRT (major, minor) when the fingerprint's GPU and TensorRT allow portable plans."""
+    version = version_tuple(fingerprint.runtimes.tensorrt)[:2]
+    if len(version) < 2 or version < COMPAT_MIN_TRT or _identity(fingerprint)[2]:
+        return None
+    return version[0], version[1]
+
+
+def _key(hardware: str, fingerprint: HardwareFingerprint, version: tuple[int, int],
+         vc: bool) -> str:
+    arch = fingerprint.cpu.arch
+    return slug(f"trt-{hardware}-{arch}-trt{version[0]}.{version[1]}{'-vc' if vc else ''}")
+
+
+class TensorRTExecutor(Executor):
+    """Loads ``engine.plan`` with ``trt.Runtime`` and runs it on the fingerprint's first GPU.
+
+    Device buffers come from ``torch`` when it is installed, else from ``cuda-python``'s CUDA
+    runtime bindings; with neither, loading raises ``BackendUnavailable``.
+    """
+
+    backend = "tensorrt"
+
+    # -- keys and compatibility (pure; tested) ---------------------------------------------
+
+    @classmethod
+    def supports(cls, fingerprint: HardwareFingerprint) -> bool:
+        device = cuda_device(fingerprint)
+        return (
+            device is not None
+            and compute_capability(device) is not None
+            and major_minor(fingerprint.runtimes.tensorrt) is not None
+        )
+
+    @classmethod
+    def fingerprint_key(cls, fingerprint: HardwareFingerprint) -> str:
+        """``trt-sm<CC>-<GPU name>-trt<major.minor>``, e.g.
+        ``trt-sm90-nvidia-h100-80gb-hbm3-trt10.3``."""
+        if not cls.supports(fingerprint):
+            raise BackendUnavailable(
+                f"the {cls.backend} backend needs a CUDA accelerator with a compute capability "
+                f"and a TensorRT version; the fingerprint has accelerators "
+                f"{[a.model_dump() for a in fingerprint.accelerators]} and tensorrt "
+                f"{fingerprint.runtimes.tensorrt!r}"
+            )
+        cc, name, _ = _identity(fingerprint)
+        version = major_minor(fingerprint.runtimes.tensorrt)
+        return slug(f"trt-sm{cc[0]}{cc[1]}-{name}-trt{version}")
+
+    @classmethod
+    def compatibility_key(
+        cls, built_on: HardwareFingerprint, runtime_config: Mapping[str, object] | None = None
+    ) -> str | None:
+        """``trt-ampere-plus-<arch>-trt<mm>`` / ``trt-sm<CC>-<arch>-trt<mm>`` for plans built
+        with that hardware-compatibility level, ``trt-sm<CC>-<GPU>-<arch>-trt<mm>-vc`` for a
+        version-compatible plan without one (``-vc`` also ends the others when set); ``None``
+        for a default plan, an integrated GPU, TensorRT < 8.6 or an unknown level."""
+        if not cls.supports(built_on):
+            return None
+        version = _portable_toolchain(built_on)
+        if version is None:
+            return None
+        config = runtime_config or {}
+        level = config.get("hardware_compatibility_level", "none")
+        vc = config.get("version_compatible", False) is True
+        cc, name, _ = _identity(built_on)
+        if level == "ampere_plus":
+            hardware = "ampere-plus" if cc >= AMPERE else None
+        elif level == "same_compute_capability":
+            hardware = f"sm{cc[0]}{cc[1]}" if cc >= AMPERE else None
+        elif level == "none":
+            hardware = f"sm{cc[0]}{cc[1]}-{name}" if vc else None
+        else:
+            hardware = None
+        return None if hardware is None else _key(hardware, built_on, version, vc)
+
+    @classmethod
+    def compatibility_keys(cls, fingerprint: HardwareFingerprint) -> list[str]:
+        """Every compatibility key whose plans run here: on a GPU of compute capability
+        >= 8.0, this TensorRT ``major.minor``'s ``sm<CC>`` and ``ampere-plus`` keys; and the
+        ``-vc`` keys of those and of ``sm<CC>-<GPU name>`` for each minor version up to this one
+        within this major (from 8.6 for TensorRT 8). None on an integrated GPU."""
+        if not cls.supports(fingerprint):
+            return []
+        version = _portable_toolchain(fingerprint)
+        if version is None:
+            return []
+        cc, name, _ = _identity(fingerprint)
+        hardware = [f"sm{cc[0]}{cc[1]}", "ampere-plus"] if cc >= AMPERE else []
+        keys = [_key(h, fingerprint, version, False) for h in hardware]
+        major, minor = version
+        first_minor = COMPAT_MIN_TRT[1] if major == COMPAT_MIN_TRT[0] else 0
+        for earlier in range(first_minor, minor + 1):
+            keys += [_key(h, fingerprint, (major, earlier), True)
+                     for h in [*hardware, f"sm{cc[0]}{cc[1]}-{name}"]]
+        return keys
+
+    @classmethod
+    def compatible(
+        cls,
+        built_on: HardwareFingerprint,
+        node: HardwareFingerprint,
+        runtime_config: Mapping[str, object] | None = None,
+    ) -> bool:
+        """The exact key; or, for a plan built with hardware / version compatibility, what
+        TensorRT documents (see the module docstring): discrete GPUs only, TensorRT >= 8.6 on
+        both sides, the same host architecture; ``ampere_plus`` needs compute capability >= 8.0
+        on both, ``same_compute_capability`` the same one (>= 8.0), and without a level the
+        same GPU; the node's TensorRT must be the same ``major.minor`` — or, for a
+        version-compatible plan, the same major and a minor at least the build's."""
+        if not (cls.supports(built_on) and cls.supports(node)):
+            return False
+        if cls.fingerprint_key(built_on) == cls.fingerprint_key(node):
+            return True
+        built_version, node_version = _portable_toolchain(built_on), _portable_toolchain(node)
+        if built_version is None or node_version is None or built_on.cpu.arch != node.cpu.arch:
+            return False
+        config = runtime_config or {}
+        level = config.get("hardware_compatibility_level", "none")
+        vc = config.get("version_compatible", False) is True
+        built_cc, built_name, _ = _identity(built_on)
+        node_cc, node_name, _ = _identity(node)
+        if level == "ampere_plus":
+            hardware_ok = built_cc >= AMPERE and node_cc >= AMPERE
+        elif level == "same_compute_capability":
+            hardware_ok = built_cc == node_cc and built_cc >= AMPERE
+        elif level == "none":
+            hardware_ok = vc and built_cc == node_cc and built_name == node_name
+        else:
+            hardware_ok = False
+        version_ok = built_version == node_version or (
+            vc and built_version[0] == node_version[0] and built_version[1] <= node_version[1])
+        return hardware_ok and version_ok
+
+    # -- loading and running (needs TensorRT and a GPU; not run here) -----------------------
+
+    def _load(self) -> None:
+        try:
+            import tensorrt as trt
+        except ImportError as exc:
+            raise BackendUnavailable(
+                f"the {self.backend!r} executor needs TensorRT, which is not installed on this "
+                f"node: {exc}",
+                backend=self.backend,
+            ) from exc
+        if version_tuple(trt.__version__)[:2] < (8, 5):
+            raise BackendUnavailable(
+                f"the {self.backend!r} executor needs TensorRT >= 8.5 (name-based I/O tensors); "
+                f"this node has {trt.__version__}"
+            )
+        config = self.manifest.runtime_config
+        self._trt = trt
+        self._logger = logging_bridge(trt)
+        trt.init_libnvinfer_plugins(self._logger, "")
+        self._runtime = trt.Runtime(self._logger)  # must outlive the engine
+        if config.get("version_compatible") is True:
+            # A version-compatible plan carries TensorRT's lean runtime (host code). The agent
+            # only loads artifacts whose signed manifest a trusted key verified.
+            self._runtime.engine_host_code_allowed = True
+        path = self.blob_path("engine")
+        engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
+        if engine is None:
+            plugins = config.get("plugin_libraries") or []
+            raise BackendUnavailable(
+                f"TensorRT {trt.__version__} could not deserialize {path} of artifact "
+                f"{self.manifest.artifact_id} (built with TensorRT "
+                f"{self.manifest.build_fingerprint.runtimes.tensorrt}): {self._logger.errors}"
+                + (f"; the plan needs plugin libraries {plugins}" if plugins else ""),
+                artifact_id=self.manifest.artifact_id,
+            )
+        self._engine = engine
+        self._context = engine.create_execution_context()
+        if self._context is None:
+            raise BackendUnavailable(
+                f"TensorRT could not create an execution context for artifact "
+                f"{self.manifest.artifact_id}: {self._logger.errors}"
+            )
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        self._engine_inputs = [n for n in names
+                               if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self._engine_outputs = [n for n in names if n not in self._engine_inputs]
+        if set(self._engine_inputs) != set(self._inputs) or \
+                not set(self._output_names) <= set(self._engine_outputs):
+            raise BackendUnavailable(
+                f"the plan of artifact {self.manifest.artifact_id} has inputs "
+                f"{self._engine_inputs} and outputs {self._engine_outputs}; the manifest lists "
+                f"inputs {sorted(self._inputs)} and outputs {self._output_names}"
+            )
+        self._dtypes = {n: _numpy_dtype(trt, engine.get_tensor_dtype(n)) for n in names}
+        self._memory = device_memory()
+        self._lock = threading.Lock()  # an execution context runs one inference at a time
+        logger.debug("loaded %s (%d I/O tensors)", path, len(names))
+
+    def _run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        context, dtypes = self._context, self._dtypes
+        with self._lock, self._memory.buffers() as buffers:
+            for name in self._engine_inputs:
+                # ONNX int64 inputs may be int32 in the plan (TensorRT < 10): cast to the plan.
+                array = np.ascontiguousarray(inputs[name], dtype=dtypes[name])
+                if not context.set_input_shape(name, tuple(array.shape)):
+                    raise InvalidRequest(
+                        f"input {name!r} of shape {list(array.shape)} is outside the plan's "
+                        f"optimization profile {self.manifest.runtime_config.get('profiles')}",
+                        artifact_id=self.manifest.artifact_id,
+                    )
+                context.set_tensor_address(name, buffers.upload(name, array))
+            unresolved = list(context.infer_shapes() or [])
+            if unresolved:
+                raise InvalidRequest(
+                    f"TensorRT cannot infer the shapes of {unresolved} from the given inputs "
+                    f"(artifact {self.manifest.artifact_id})"
+                )
+            for name in self._engine_outputs:
+                shape = tuple(context.get_tensor_shape(name))
+                if any(d < 0 for d in shape):
+                    raise BackendUnavailable(
+                        f"output {name!r} has a data-dependent shape {list(shape)}; this "
+                        f"executor does not implement TensorRT's output allocator"
+                    )
+                context.set_tensor_address(name, buffers.empty(name, shape, dtypes[name]))
+            if not context.execute_async_v3(buffers.stream_handle):
+                raise KilnError(
+                    f"TensorRT failed to run artifact {self.manifest.artifact_id}: "
+                    f"{self._logger.errors[-5:]}"
+                )
+            outputs = {name: buffers.download(name, dtypes[name])
+                       for name in self._engine_outputs}
+        wanted = {spec.name: numpy_dtype(spec.dtype) for spec in self.manifest.outputs}
+        return {name: value.astype(wanted[name], copy=False) if name in wanted else value
+                for name, value in outputs.items()}
+
+
+# -- TensorRT plumbing ---------------------------------------------------------------------
+
+def logging_bridge(trt: Any, log: logging.Logger = logger) -> Any:
+    """A ``trt.ILogger`` that forwards TensorRT's messages to ``log`` and keeps the errors
+    (for the exception of a failed build or load)."""
+    severity = trt.ILogger.Severity
+    levels = {
+        severity.INTERNAL_ERROR: logging.CRITICAL,
+        severity.ERROR: logging.ERROR,
+        severity.WARNING: logging.WARNING,
+        severity.INFO: logging.INFO,
+        severity.VERBOSE: logging.DEBUG,
+    }
+
+    class LoggingBridge(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+
+        def log(self, level: Any, message: str) -> None:
+            python_level = levels.get(level, logging.INFO)
+            log.log(python_level, "TensorRT: %s", message)
+            if python_level >= logging.ERROR:
+                self.errors.append(message)
+
+    return LoggingBridge()
+
+
+def _numpy_dtype(trt: Any, dtype: Any) -> np.dtype:
+    """The numpy dtype of a ``trt.DataType`` (bfloat16 through ``ml_dtypes``)."""
+    names = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT8": "int8",
+             "UINT8": "uint8", "INT32": "int32", "INT64": "int64", "BOOL": "bool"}
+    for member, name in names.items():
+        if getattr(trt.DataType, member, None) == dtype:
+            return numpy_dtype(name)
+    raise BackendUnavailable(f"TensorRT I/O type {dtype} has no numpy equivalent")
+
+
+# -- device memory: torch if installed, else cuda-python -----------------------------------
+
+class _TorchBuffers:
+    """One inference's device buffers as torch tensors, copied on the executor's stream."""
+
+    def __init__(self, torch: Any, stream: Any) -> None:
+        self.torch, self.stream = torch, stream
+        self.stream_handle = int(stream.cuda_stream)
+        self._tensors: dict[str, Any] = {}
+
+    def _host(self, array: np.ndarray) -> Any:
+        if array.dtype.name == "bfloat16":  # torch.from_numpy does not know ml_dtypes
+            return self.torch.from_numpy(array.view(np.int16)).view(self.torch.bfloat16)
+        return self.torch.from_numpy(array)
+
+    def upload(self, name: str, array: np.ndarray) -> int:
+        with self.torch.cuda.stream(self.stream):
+            self._tensors[name] = self._host(array).to("cuda", non_blocking=False)
+        return int(self._tensors[name].data_ptr())
+
+    def empty(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> int:
+        with self.torch.cuda.stream(self.stream):
+            self._tensors[name] = self.torch.empty_like(self._host(np.empty(shape, dtype)),
+                                                        device="cuda")
+        return int(self._tensors[name].data_ptr())
+
+    def download(self, name: str, dtype: np.dtype) -> np.ndarray:
+        self.stream.synchronize()
+        host = self._tensors[name].cpu()
+        if dtype.name == "bfloat16":
+            return host.view(self.torch.int16).numpy().view(dtype)
+        return host.numpy()
+
+    def close(self) -> None:
+        self._tensors.clear()
+
+
+class _CudaRuntimeBuffers:
+    """One inference's device buffers through ``cuda-python``'s CUDA runtime bindings."""
+
+    def __init__(self, cudart: Any, stream: Any) -> None:
+        self.cudart, self.stream = cudart, stream
+        self.stream_handle = int(stream)
+        self._buffers: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._host: list[np.ndarray] = []  # host arrays live until their copies are done
+
+    def _check(self, result: tuple[Any, ...]) -> Any:
+        error, *values = result
+        if error != self.cudart.cudaError_t.cudaSuccess:
+            raise KilnError(f"CUDA runtime call failed: {error}")
+        return values[0] if values else None
+
+    def _allocate(self, name: str, shape: tuple[int, ...], nbytes: int) -> int:
+        pointer = int(self._check(self.cudart.cudaMalloc(max(nbytes, 1))))
+        self._buffers[name] = (pointer, shape)
+        return pointer
+
+    def upload(self, name: str, array: np.ndarray) -> int:
+        pointer = self._allocate(name, array.shape, array.nbytes)
+        self._host.append(array)
+        self._check(self.cudart.cudaMemcpyAsync(
+            pointer, array.ctypes.data, array.nbytes,
+            self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
+        return pointer
+
+    def empty(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> int:
+        return self._allocate(name, shape, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+
+    def download(self, name: str, dtype: np.dtype) -> np.ndarray:
+        pointer, shape = self._buffers[name]
+        host = np.empty(shape, dtype)
+        self._check(self.cudart.cudaMemcpyAsync(
+            host.ctypes.data, pointer, host.nbytes,
+            self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
+        self._check(self.cudart.cudaStreamSynchronize(self.stream))
+        return host
+
+    def close(self) -> None:
+        self.cudart.cudaStreamSynchronize(self.stream)
+        for pointer, _ in self._buffers.values():
+            self.cudart.cudaFree(pointer)
+        self._buffers.clear()
+        self._host.clear()
+
+
+class DeviceMemory:
+    """Device buffers for inferences, all on one CUDA stream of the executor's own."""
+
+    def __init__(self, library: str, module: Any) -> None:
+        self.library, self.module = library, module
+        if library == "torch":
+            self.stream = module.cuda.Stream()
+        else:
+            error, self.stream = module.cudaStreamCreate()
+            if error != module.cudaError_t.cudaSuccess:
+                raise BackendUnavailable(f"cudaStreamCreate failed: {error}")
+
+    @contextmanager
+    def buffers(self) -> Iterator[_TorchBuffers | _CudaRuntimeBuffers]:
+        """The buffers of one inference, released when it ends."""
+        buffers = (_TorchBuffers(self.module, self.stream) if self.library == "torch"
+                   else _CudaRuntimeBuffers(self.module, self.stream))
+        try:
+            yield buffers
+        finally:
+            buffers.close()
+
+
+def device_memory() -> DeviceMemory:
+    """Device memory through ``torch`` (with CUDA) when installed, else ``cuda-python``."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        return DeviceMemory("torch", torch)
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        try:
+            from cuda import cudart  # cuda-python before 12.6
+        except ImportError:
+            cudart = None
+    if cudart is not None:
+        return DeviceMemory("cuda-python", cudart)
+    raise BackendUnavailable(
+        "the tensorrt executor needs a CUDA array library for device buffers: install torch "
+        "(with CUDA) or cuda-python"
+    )

@@ -1,0 +1,470 @@
+"""Hardware fingerprinting: what this node is, and which toolchain it runs.
+
+``detect_fingerprint()`` reads the machine: ``platform``, ``/proc/cpuinfo``, ``/proc/meminfo``,
+NVIDIA GPUs through NVML (``pynvml`` from the ``nvidia-ml-py`` package, imported lazily; no
+library or no driver means no accelerators), and toolchain versions from package metadata.
+``load_fingerprint()`` reads a complete declared one from a JSON file. ``resolve_fingerprint()``
+is what a service calls: the declared file if one is configured — merged onto the detected
+fingerprint, so a file may declare only the fields it wants to change (a GPU on a CPU-only test
+machine, another onnxruntime version) — else the detected one. ``isa_class()`` condenses the
+CPU features to the class that decides which CPU kernels an engine may contain.
+
+Only the ISA features that change kernel selection are kept, so two machines of the same class
+produce the same feature list regardless of unrelated flags (``hypervisor``, ``rdrand``, ...).
+Nothing here reads the environment: the services' settings name the declared file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import re
+from collections.abc import Mapping
+from importlib import metadata
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from schemas.errors import InvalidRequest
+from schemas.fingerprint import AcceleratorInfo, CpuInfo, HardwareFingerprint, RuntimeVersions
+
+logger = logging.getLogger(__name__)
+
+_ARCH_ALIASES = {
+    "x86_64": "x86_64",
+    "amd64": "x86_64",
+    "x64": "x86_64",
+    "aarch64": "aarch64",
+    "arm64": "aarch64",
+    "armv8l": "aarch64",
+    "armv8b": "aarch64",
+}
+
+#: x86 flags (``/proc/cpuinfo`` spelling) that decide kernels, and the x86-64 psABI levels.
+X86_FEATURES = frozenset({
+    "ssse3", "sse4_1", "sse4_2", "popcnt",
+    "avx", "avx2", "fma", "f16c", "bmi1", "bmi2",
+    "avx512f", "avx512cd", "avx512dq", "avx512bw", "avx512vl",
+    "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
+    "amx_tile", "amx_bf16", "amx_int8",
+})
+_X86_V2 = frozenset({"ssse3", "sse4_1", "sse4_2", "popcnt"})
+_X86_V3 = _X86_V2 | {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2"}
+_X86_V4 = _X86_V3 | {"avx512f", "avx512cd", "avx512dq", "avx512bw", "avx512vl"}
+
+#: Arm ``Features`` words that decide kernels, mapped to Kiln's names.
+ARM_FEATURES = {
+    "asimd": "neon",
+    "neon": "neon",
+    "asimdhp": "fp16",
+    "asimddp": "dotprod",
+    "sve": "sve",
+    "sve2": "sve2",
+    "i8mm": "i8mm",
+    "bf16": "bf16",
+}
+
+#: ``CPU implementer`` codes from the Arm ARM (MIDR_EL1), for a readable vendor.
+_ARM_IMPLEMENTERS = {
+    "0x41": "ARM",
+    "0x42": "Broadcom",
+    "0x43": "Cavium",
+    "0x46": "Fujitsu",
+    "0x48": "HiSilicon",
+    "0x4e": "NVIDIA",
+    "0x51": "Qualcomm",
+    "0x61": "Apple",
+    "0xc0": "Ampere",
+}
+_ARM_PARTS = {  # (implementer, part) -> core name: common server and Jetson cores
+    ("0x41", "0xd0c"): "Neoverse-N1",
+    ("0x41", "0xd41"): "Cortex-A78",
+    ("0x41", "0xd42"): "Cortex-A78AE",
+    ("0x41", "0xd40"): "Neoverse-V1",
+    ("0x41", "0xd49"): "Neoverse-N2",
+    ("0x41", "0xd4f"): "Neoverse-V2",
+    ("0x41", "0xd8e"): "Neoverse-N3",
+    ("0x41", "0xd84"): "Neoverse-V3",
+    ("0xc0", "0xac3"): "AmpereOne",
+}
+
+
+def slug(text: str) -> str:
+    """Lower-case ``text`` with every run of characters outside ``[a-z0-9.]`` turned into '-'
+    (the alphabet of fingerprint keys)."""
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-.")
+
+
+def major_minor(version: str | None) -> str | None:
+    """``"1.32.0"`` → ``"1.32"``; ``None`` or an unparsable version → ``None``."""
+    if not version:
+        return None
+    match = re.match(r"^(\d+)\.(\d+)", version)
+    return f"{match.group(1)}.{match.group(2)}" if match else None
+
+
+def version_tuple(version: str | None) -> tuple[int, ...]:
+    """Leading numeric components: ``"10.3.0.26"`` → ``(10, 3, 0, 26)``; ``None`` → ``()``."""
+    parts: list[int] = []
+    for piece in (version or "").split("."):
+        match = re.match(r"^\d+", piece)
+        if not match:
+            break
+        parts.append(int(match.group()))
+    return tuple(parts)
+
+
+def normalize_arch(machine: str) -> str:
+    """``platform.machine()`` spelled the Kiln way: ``x86_64``, ``aarch64``, else lower-case."""
+    return _ARCH_ALIASES.get(machine.lower(), machine.lower())
+
+
+def parse_cpuinfo(text: str, arch: str) -> tuple[str, str, list[str]]:
+    """(vendor, model, kernel-deciding features) from ``/proc/cpuinfo`` text of ``arch``.
+
+    Only the first processor block is read: Kiln assumes a node's cores share one ISA.
+    """
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip().lower(), value.strip())
+    if arch == "x86_64":
+        flags = set(fields.get("flags", "").lower().split())
+        features = sorted(flags & X86_FEATURES)
+        return fields.get("vendor_id", ""), fields.get("model name", ""), features
+    if arch == "aarch64":
+        words = fields.get("features", "").lower().split()
+        features = sorted({ARM_FEATURES[w] for w in words if w in ARM_FEATURES})
+        implementer = fields.get("cpu implementer", "").lower()
+        part = fields.get("cpu part", "").lower()
+        vendor = _ARM_IMPLEMENTERS.get(implementer, implementer)
+        model = fields.get("model name") or _ARM_PARTS.get((implementer, part), "")
+        if not model and part:
+            model = f"part {part}"
+        return vendor, model, features
+    return fields.get("vendor_id", ""), fields.get("model name", ""), []
+
+
+def isa_class(cpu: CpuInfo) -> str:
+    """The ISA class that decides which CPU kernels an engine may contain.
+
+    x86_64 follows the x86-64 psABI micro-architecture levels, each level requiring the
+    features of the one below: ``x86-64-v4`` (AVX-512 F/CD/DQ/BW/VL), ``x86-64-v3`` (AVX, AVX2,
+    FMA, F16C, BMI1, BMI2), ``x86-64-v2`` (SSSE3, SSE4.1, SSE4.2, POPCNT), else ``x86-64``.
+    aarch64: ``armv8-sve``, ``armv8-dotprod``, else ``armv8``. Any other arch is its own class.
+    """
+    features = {f.lower() for f in cpu.features}
+    if cpu.arch == "x86_64":
+        for name, required in (("x86-64-v4", _X86_V4), ("x86-64-v3", _X86_V3),
+                               ("x86-64-v2", _X86_V2)):
+            if required <= features:
+                return name
+        return "x86-64"
+    if cpu.arch == "aarch64":
+        if "sve" in features:
+            return "armv8-sve"
+        if "dotprod" in features:
+            return "armv8-dotprod"
+        return "armv8"
+    return cpu.arch
+
+
+def _memory_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def detect_cpu() -> CpuInfo:
+    """This machine's CPU. Vendor, model and features come from ``/proc/cpuinfo`` (Linux)."""
+    arch = normalize_arch(platform.machine())
+    vendor, model, features = "", "", []
+    try:
+        vendor, model, features = parse_cpuinfo(Path("/proc/cpuinfo").read_text(), arch)
+    except OSError as exc:
+        logger.info("no /proc/cpuinfo (%s); CPU features left empty", exc)
+    return CpuInfo(
+        arch=arch,
+        vendor=vendor,
+        model=model,
+        features=features,
+        cores=os.cpu_count() or 0,
+        memory_bytes=_memory_bytes(),
+    )
+
+
+# -- NVIDIA GPUs (NVML) ---------------------------------------------------------------------
+
+#: FP32 cores per streaming multiprocessor by compute capability (the CUDA C++ Programming
+#: Guide's arithmetic-throughput table): turns NVML's core count into an SM count.
+_CORES_PER_SM = {(7, 0): 64, (7, 5): 64, (8, 0): 64, (8, 6): 128, (8, 7): 128, (8, 9): 128,
+                 (9, 0): 128}
+#: Last-resort SM counts of common GPUs, by the name NVML reports (public specifications).
+#: Used only when NVML gives neither the multiprocessor count nor the core count.
+KNOWN_SM_COUNTS = {
+    "NVIDIA H100 80GB HBM3": 132,
+    "NVIDIA H100 PCIe": 114,
+    "NVIDIA H200": 132,
+    "NVIDIA A100-SXM4-40GB": 108,
+    "NVIDIA A100-SXM4-80GB": 108,
+    "NVIDIA A100-PCIE-40GB": 108,
+    "NVIDIA A100 80GB PCIe": 108,
+    "NVIDIA A10": 72,
+    "NVIDIA L4": 58,
+    "Tesla T4": 40,
+}
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _nvml_optional(nvml: Any, function: str, *args: object) -> Any:
+    """``nvml.<function>(*args)``, or ``None`` when this pynvml, driver or GPU lacks it."""
+    call = getattr(nvml, function, None)
+    if call is None:
+        return None
+    try:
+        return call(*args)
+    except Exception as exc:  # NVMLError_NotSupported, _FunctionNotFound, _NoPermission, ...
+        logger.debug("NVML %s failed: %s", function, exc)
+        return None
+
+
+def _sm_count(nvml: Any, handle: object, name: str, cc: tuple[int, int] | None) -> int:
+    """Multiprocessors: NVML device attributes (MIG handles, newer drivers), else NVML's core
+    count divided by the cores per SM of the compute capability, else ``KNOWN_SM_COUNTS``."""
+    attributes = _nvml_optional(nvml, "nvmlDeviceGetAttributes", handle)
+    if attributes is not None and getattr(attributes, "multiprocessorCount", 0):
+        return int(attributes.multiprocessorCount)
+    cores = _nvml_optional(nvml, "nvmlDeviceGetNumGpuCores", handle)
+    if cores and cc in _CORES_PER_SM:
+        return int(cores) // _CORES_PER_SM[cc]
+    return KNOWN_SM_COUNTS.get(name, 0)
+
+
+def cuda_version_string(encoded: int | None) -> str | None:
+    """NVML's CUDA driver version (``1000 * major + 10 * minor``): ``12040`` → ``"12.4"``."""
+    if not encoded:
+        return None
+    return f"{encoded // 1000}.{encoded % 1000 // 10}"
+
+
+def nvml_accelerators(nvml: Any) -> tuple[list[AcceleratorInfo], str | None]:
+    """(GPUs, CUDA driver version) read through an initialized ``pynvml`` module.
+
+    Every GPU NVML lists, in NVML's order (PCI bus order, which may differ from CUDA's default
+    device order): name, compute capability, total memory, SM count and driver version.
+    """
+    driver = _nvml_optional(nvml, "nvmlSystemGetDriverVersion")
+    cuda = cuda_version_string(_nvml_optional(nvml, "nvmlSystemGetCudaDriverVersion"))
+    found: list[AcceleratorInfo] = []
+    for index in range(int(nvml.nvmlDeviceGetCount())):
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        name = _text(nvml.nvmlDeviceGetName(handle))
+        capability = _nvml_optional(nvml, "nvmlDeviceGetCudaComputeCapability", handle)
+        cc = (int(capability[0]), int(capability[1])) if capability else None
+        memory = _nvml_optional(nvml, "nvmlDeviceGetMemoryInfo", handle)
+        found.append(AcceleratorInfo(
+            kind="cuda",
+            name=name,
+            compute_capability=f"{cc[0]}.{cc[1]}" if cc else "",
+            memory_bytes=int(memory.total) if memory is not None else 0,
+            sm_count=_sm_count(nvml, handle, name, cc),
+            driver=_text(driver) if driver is not None else "",
+        ))
+    return found, cuda
+
+
+def detect_accelerators() -> tuple[list[AcceleratorInfo], str | None]:
+    """(NVIDIA GPUs, CUDA driver version) through NVML.
+
+    No ``pynvml`` (install the ``gpu`` extra), no NVML library or no driver: no accelerators,
+    logged at debug level. A driver that fails mid-way is logged as a warning and also yields
+    none, so a broken GPU never stops a node from registering its CPU.
+    """
+    try:
+        import pynvml
+    except ImportError:
+        logger.debug("pynvml (package nvidia-ml-py) is not installed: no NVIDIA GPUs detected")
+        return [], None
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...
+        logger.debug("NVML is unavailable (%s): no NVIDIA GPUs detected", exc)
+        return [], None
+    try:
+        return nvml_accelerators(pynvml)
+    except Exception as exc:
+        logger.warning("reading NVIDIA GPUs through NVML failed (%s); none reported", exc)
+        return [], None
+    finally:
+        _nvml_optional(pynvml, "nvmlShutdown")
+
+
+# -- toolchain versions ---------------------------------------------------------------------
+
+#: Distributions that install TensorRT's Python bindings, in the order they are asked.
+TENSORRT_DISTRIBUTIONS = ("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu11",
+                          "tensorrt-libs")
+ONNXRUNTIME_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu")
+
+
+def _version(*distributions: str) -> str | None:
+    for distribution in distributions:
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def onnxruntime_version() -> str | None:
+    """The installed onnxruntime version, from package metadata (nothing is imported)."""
+    return _version(*ONNXRUNTIME_DISTRIBUTIONS)
+
+
+def tensorrt_version() -> str | None:
+    """The installed TensorRT version: package metadata, else — for TensorRT installed from
+    system packages (JetPack's ``python3-libnvinfer``), which carry no Python metadata — the
+    module's ``__version__``, importing it only when it is there."""
+    version = _version(*TENSORRT_DISTRIBUTIONS)
+    if version is not None:
+        return version
+    try:
+        if find_spec("tensorrt") is None:
+            return None
+        import tensorrt
+    except Exception as exc:  # a broken installation is the same as none
+        logger.debug("tensorrt is present but does not import: %s", exc)
+        return None
+    return str(getattr(tensorrt, "__version__", "")) or None
+
+
+def detect_runtimes(cuda: str | None = None) -> RuntimeVersions:
+    """Installed toolchain versions; ``cuda`` is the driver's CUDA version (from NVML)."""
+    return RuntimeVersions(
+        onnxruntime=onnxruntime_version(),
+        onnx=_version("onnx"),
+        tensorrt=tensorrt_version(),
+        cuda=cuda,
+        kiln=_version("kiln"),
+    )
+
+
+# -- the fingerprint: detected, declared, resolved ------------------------------------------
+
+def detect_fingerprint() -> HardwareFingerprint:
+    """Probe this machine: CPU, NVIDIA GPUs, OS and runtime versions."""
+    accelerators, cuda = detect_accelerators()
+    return HardwareFingerprint(
+        os=platform.platform(),
+        cpu=detect_cpu(),
+        accelerators=accelerators,
+        runtimes=detect_runtimes(cuda),
+        source="detected",
+    )
+
+
+def _read_declaration(path: Path) -> Any:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read fingerprint file {path}: {exc}", path=str(path)) from exc
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest(
+            f"fingerprint file {path} is not a valid HardwareFingerprint JSON document: {exc}",
+            path=str(path),
+        ) from exc
+
+
+def _invalid(origin: str, exc: ValidationError) -> InvalidRequest:
+    return InvalidRequest(
+        f"fingerprint file {origin} is not a valid HardwareFingerprint JSON document "
+        f"(expected keys os, cpu{{arch, vendor, model, features, cores, memory_bytes}}, "
+        f"accelerators[{{kind, name, compute_capability, memory_bytes, sm_count, driver}}], "
+        f"runtimes{{onnxruntime, onnx, tensorrt, cuda, kiln}}): {exc}",
+        path=origin,
+    )
+
+
+def load_fingerprint(path: Path) -> HardwareFingerprint:
+    """A complete declared fingerprint from a JSON ``HardwareFingerprint`` file;
+    ``source="declared"``. Raises ``InvalidRequest`` when the file cannot be read or does not
+    validate on its own (``resolve_fingerprint`` accepts partial files)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InvalidRequest(f"cannot read fingerprint file {path}: {exc}", path=str(path)) from exc
+    try:
+        fingerprint = HardwareFingerprint.model_validate_json(text)
+    except ValidationError as exc:
+        raise _invalid(str(path), exc) from exc
+    return fingerprint.model_copy(update={"source": "declared"})
+
+
+def _deep_merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def merge_fingerprint(
+    base: HardwareFingerprint, declared: Mapping[str, Any], *, origin: str = "<declared>"
+) -> HardwareFingerprint:
+    """``base`` with a (partial) declaration laid over it; ``source="declared"``.
+
+    Objects merge key by key (``{"runtimes": {"tensorrt": "10.3.0"}}`` changes one version);
+    anything else replaces what ``base`` had — lists too, so ``accelerators`` and
+    ``cpu.features`` are declared whole, and ``"accelerators": []`` declares none. A ``source``
+    in the declaration is ignored. Raises ``InvalidRequest`` (naming ``origin``) when the
+    declaration is not an object or the result does not validate.
+    """
+    if not isinstance(declared, Mapping):
+        raise InvalidRequest(
+            f"fingerprint file {origin} must hold a JSON object (a full or partial "
+            f"HardwareFingerprint); it holds {type(declared).__name__}",
+            path=origin,
+        )
+    merged = _deep_merge(base.model_dump(mode="json"), declared)
+    merged["source"] = "declared"
+    try:
+        return HardwareFingerprint.model_validate(merged)
+    except ValidationError as exc:
+        raise _invalid(origin, exc) from exc
+
+
+def resolve_fingerprint(file: Path | None = None) -> HardwareFingerprint:
+    """This node's fingerprint: the declared ``file`` merged onto the detected fingerprint
+    when one is given (see ``merge_fingerprint``), else the detected one.
+
+    Services pass the file their settings name (``KILN_FINGERPRINT_FILE`` for a worker,
+    ``KILN_AGENT_FINGERPRINT_FILE`` for an agent).
+    """
+    if file is None:
+        return detect_fingerprint()
+    declared = _read_declaration(Path(file))
+    return merge_fingerprint(detect_fingerprint(), declared, origin=str(file))
