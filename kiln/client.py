@@ -1,0 +1,171 @@
+"""The Python SDK: a thin, typed client of the Kiln HTTP API."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from runtime_agent.download import download
+from runtime_agent.errors import error_from_response
+from schemas import (
+    ArtifactManifest,
+    ArtifactSummary,
+    BlobRef,
+    CompileJob,
+    CompileOptions,
+    ModelInfo,
+)
+from schemas.errors import KilnError
+
+
+class KilnClient:
+    def __init__(self, api_url: str, token: str | None, *, timeout: float = 60.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.api_url = api_url.rstrip("/")
+        self.http = httpx.Client(base_url=self.api_url, headers=headers, timeout=timeout)
+
+    @classmethod
+    def from_env(cls, api_url: str | None = None, token: str | None = None) -> KilnClient:
+        from kiln.config import ClientSettings
+
+        default_url, default_token = ClientSettings().resolved()
+        return cls(api_url or default_url, token or default_token)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> KilnClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise KilnError(f"cannot reach the Kiln API at {self.api_url}: {exc}") from exc
+        if response.status_code >= 400:
+            raise error_from_response(response, f"{method} {path}")
+        return response
+
+    # models
+    def upload_model(self, model: Path | bytes, *, name: str | None = None) -> ModelInfo:
+        data = model.read_bytes() if isinstance(model, Path) else model
+        filename = model.name if isinstance(model, Path) else "model.onnx"
+        form = {"name": name} if name else {}
+        response = self._call(
+            "POST", "/v1/models", files={"file": (filename, data, "application/octet-stream")},
+            data=form,
+        )
+        return ModelInfo.model_validate(response.json())
+
+    def get_model(self, model_id: str) -> ModelInfo:
+        return ModelInfo.model_validate(self._call("GET", f"/v1/models/{model_id}").json())
+
+    # jobs
+    def create_jobs(
+        self, model_id: str, targets: Iterable[str], options: CompileOptions | None = None
+    ) -> list[CompileJob]:
+        payload = {
+            "model_id": model_id,
+            "options": (options or CompileOptions()).model_dump(mode="json"),
+            "targets": [{"fingerprint_key": key} for key in targets],
+        }
+        response = self._call("POST", "/v1/compile-jobs", json=payload)
+        return [CompileJob.model_validate(j) for j in response.json()["jobs"]]
+
+    def get_job(self, job_id: str) -> CompileJob:
+        return CompileJob.model_validate(self._call("GET", f"/v1/compile-jobs/{job_id}").json())
+
+    def list_jobs(self, **filters: Any) -> list[CompileJob]:
+        params = {k: v for k, v in filters.items() if v is not None}
+        response = self._call("GET", "/v1/compile-jobs", params=params)
+        return [CompileJob.model_validate(j) for j in response.json()]
+
+    def wait_job(
+        self,
+        job_id: str,
+        *,
+        timeout_s: float = 1800,
+        poll_s: float = 0.25,
+        on_update: Callable[[CompileJob], None] | None = None,
+    ) -> CompileJob:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = self.get_job(job_id)
+            if on_update is not None:
+                on_update(job)
+            if job.status.terminal:
+                return job
+            if time.monotonic() > deadline:
+                raise KilnError(f"job {job_id} is still {job.status} after {timeout_s}s")
+            time.sleep(poll_s)
+
+    # artifacts
+    def list_artifacts(self, **filters: Any) -> list[ArtifactSummary]:
+        params = {k: v for k, v in filters.items() if v is not None}
+        response = self._call("GET", "/v1/artifacts", params=params)
+        return [ArtifactSummary.model_validate(a) for a in response.json()]
+
+    def get_artifact(self, artifact_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/artifacts/{artifact_id}").json()
+
+    def get_manifest(self, artifact_id: str) -> ArtifactManifest:
+        return ArtifactManifest.model_validate(self.get_artifact(artifact_id)["manifest"])
+
+    def download_blob(self, artifact_id: str, ref: BlobRef, dest: Path) -> Path:
+        """Download blob ``ref`` of an artifact to ``dest``: resumable, following a presigned
+        redirect without credentials, size and sha256 verified (the agent's download path)."""
+        return download(self.http, f"/v1/artifacts/{artifact_id}/blobs/{ref.name}", dest,
+                        size=ref.size, sha256=ref.sha256)
+
+    # plugins
+    def push_plugin(self, archive: Path) -> dict[str, Any]:
+        """Register a bundle archive (``kiln plugin build``)."""
+        files = {"file": (archive.name, archive.read_bytes(), "application/x-tar")}
+        return self._call("POST", "/v1/plugins", files=files).json()
+
+    def list_plugins(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/plugins").json()
+
+    # fleet
+    def deploy(
+        self, name: str, model_id: str, *, selector: dict[str, str] | None = None,
+        options: CompileOptions | None = None,
+    ) -> dict[str, Any]:
+        """Create or update deployment ``name``; returns the deployment and its build jobs."""
+        payload = {
+            "name": name, "model_id": model_id, "selector": selector or {},
+            "options": (options or CompileOptions()).model_dump(mode="json"),
+        }
+        return self._call("POST", "/v1/deployments", json=payload).json()
+
+    def list_deployments(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/deployments").json()
+
+    def delete_deployment(self, name: str) -> None:
+        self._call("DELETE", f"/v1/deployments/{name}")
+
+    def list_agents(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/agents").json()
+
+    def get_agent(self, name: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/agents/{name}").json()
+
+    def fleet(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/fleet").json()
+
+    def list_workers(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/workers").json()
+
+    def live_fingerprint_keys(self) -> list[str]:
+        """The fingerprint keys that a live compiler worker serves right now."""
+        return sorted({k for w in self.list_workers() if w["alive"] for k in w["fingerprint_keys"]})
+
+    def health(self) -> dict[str, Any]:
+        return self._call("GET", "/healthz").json()

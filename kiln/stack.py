@@ -1,0 +1,171 @@
+"""The embedded stack behind ``kiln up``: state under ``KILN_HOME``, API and worker as
+processes, SQLite, a local blob directory and a broker that needs no server."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kiln.client import KilnClient
+from kiln.config import write_client_file
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EmbeddedStack:
+    home: Path
+    port: int = 8000
+    host: str = "127.0.0.1"
+    workers: int = 1
+    #: Extra ``KILN_*`` variables, e.g. PostgreSQL, Redis and S3 instead of the embedded ones.
+    overrides: dict[str, str] = field(default_factory=dict)
+    worker_args: list[str] = field(default_factory=list)
+    #: Start a local runtime agent with these labels (``k=v,...``); ``None``: no agent.
+    agent_labels: str | None = None
+    agent_port: int = 8100
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    #: The admin token minted by ``prepare``.
+    token: str | None = None
+    _env: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def prepare(self) -> dict[str, str]:
+        """Create the state folder, secret and signing key once; return the services' env."""
+        from artifact_store import generate_keypair
+        from services.api.auth import Role, mint_token
+        from services.db import migrate
+
+        self.home = self.home.resolve()
+        self.home.mkdir(parents=True, exist_ok=True)
+        secret_file = self.home / "secret"
+        if not secret_file.exists():
+            secret_file.write_text(secrets.token_hex(32))
+            secret_file.chmod(0o600)
+        key_file = self.home / "signing.key"
+        if not key_file.exists():
+            generate_keypair(key_file)
+        env = {
+            **os.environ,
+            "KILN_HOME": str(self.home),
+            "KILN_SECRET_KEY": secret_file.read_text().strip(),
+            "KILN_SIGNING_KEY_PATH": str(key_file),
+            "KILN_TRUSTED_KEYS": f'["{key_file}.pub"]',
+            "KILN_API_HOST": self.host,
+            "KILN_API_PORT": str(self.port),
+        }
+        for name in ("KILN_DATABASE_URL", "KILN_STORE_URI", "KILN_BROKER_URL"):
+            env.pop(name, None)  # the embedded defaults, under KILN_HOME ...
+        env.update(self.overrides)  # ... unless told otherwise
+        migrate(env.get("KILN_DATABASE_URL", f"sqlite:///{self.home / 'kiln.db'}"))
+        self.token = mint_token(env["KILN_SECRET_KEY"], role=Role.ADMIN, subject="kiln-up")
+        write_client_file(self.home, api_url=self.api_url, token=self.token)
+        return env
+
+    def start(self) -> None:
+        env = self.prepare()
+        self._env = env
+        log_dir = self.home / "logs"
+        log_dir.mkdir(exist_ok=True)
+        self._spawn(self._api_argv(), env, log_dir / "api.log")
+        cli = [sys.executable, "-m", "kiln.cli"]
+        for i in range(self.workers):
+            self._spawn([*cli, "worker", "--name", f"embedded-{i}", *self.worker_args], env,
+                        log_dir / f"worker-{i}.log")
+        self.wait_healthy()
+        if self.agent_labels is not None:
+            self._spawn([*cli, "agent", "--api", self.api_url, "--token", self.token or "",
+                         "--name", "local-agent", "--labels", self.agent_labels,
+                         "--port", str(self.agent_port),
+                         "--cache-dir", str(self.home / "agent-cache"),
+                         "--trusted-key", str(self.home / "signing.key.pub")],
+                        env, log_dir / "agent.log")
+
+    @property
+    def agent_url(self) -> str:
+        return f"http://{self.host}:{self.agent_port}"
+
+    def _api_argv(self) -> list[str]:
+        return [sys.executable, "-m", "kiln.cli", "api", "--host", self.host,
+                "--port", str(self.port)]
+
+    def add_worker(self, name: str, *args: str) -> subprocess.Popen:
+        """Start one more compiler worker (e.g. ``--fingerprint-file`` to declare hardware)."""
+        proc = self._popen([sys.executable, "-m", "kiln.cli", "worker", "--name", name, *args],
+                           self._env, self.home / "logs" / f"worker-{name}.log")
+        self.processes.append(proc)
+        return proc
+
+    def stop_api(self) -> None:
+        """Stop only the API (the control plane goes away; workers and agents stay)."""
+        api = self.processes[0]
+        os.killpg(api.pid, signal.SIGTERM)
+        api.wait(20)
+
+    def start_api(self) -> None:
+        """Start the API again after ``stop_api``."""
+        self.processes[0] = self._popen(self._api_argv(), self._env,
+                                        self.home / "logs" / "api.log")
+        self.wait_healthy()
+
+    def client(self) -> KilnClient:
+        """An SDK client of this stack's API, with its admin token."""
+        return KilnClient(self.api_url, self.token)
+
+    def _spawn(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.processes.append(self._popen(argv, env, log))
+
+    @staticmethod
+    def _popen(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        with log.open("ab") as out:
+            return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for proc in self.processes:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{' '.join(proc.args[2:4])} exited with {proc.returncode}; "
+                        f"see {self.home / 'logs'}"
+                    )
+            try:
+                if httpx.get(f"{self.api_url}/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the API did not answer on {self.api_url} within {timeout_s}s")
+
+    def stop(self, timeout_s: float = 20) -> None:
+        for proc in self.processes:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.processes:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.processes.clear()
+
+    def __enter__(self) -> EmbeddedStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

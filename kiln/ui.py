@@ -1,0 +1,61 @@
+"""Terminal output shared by the CLI and the demo."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kiln.client import KilnClient
+from schemas import CompileJob, JobStatus
+
+
+def progress_wait(
+    client: KilnClient, jobs: list[CompileJob], timeout_s: float, *, console: Console
+) -> list[CompileJob]:
+    """Wait for each job, with a progress bar showing its status and stage."""
+    finished: list[CompileJob] = []
+    with Progress(
+        TextColumn("[bold]{task.fields[key]}"), BarColumn(),
+        TextColumn("{task.fields[status]} · {task.fields[stage]}"), TimeElapsedColumn(),
+        console=console, transient=False,
+    ) as progress:
+        for job in jobs:
+            bar = progress.add_task("", total=1.0, key=job.fingerprint_key,
+                                    status=job.status.value, stage=job.stage.value)
+
+            def update(j: CompileJob, bar=bar) -> None:
+                progress.update(bar, completed=j.progress, status=j.status.value,
+                                stage=j.stage.value)
+
+            finished.append(client.wait_job(job.id, timeout_s=timeout_s, on_update=update))
+    return finished
+
+
+def print_artifact(client: KilnClient, job: CompileJob, *, console: Console, err: Console) -> None:
+    """A table of the job's artifact: key, backend, verification and benchmark figures."""
+    if job.status is not JobStatus.SUCCEEDED:
+        code, message = (job.error.code, job.error.message) if job.error else ("?", job.status)
+        err.print(f"[red]job {job.id} failed[/] ({code}): {message}")
+        return
+    manifest = client.get_manifest(job.artifact_id)
+    v, b = manifest.verification, manifest.benchmark
+    hit = " (cache hit)" if job.cache_hit else ""
+    table = Table(title=f"artifact {manifest.artifact_id}{hit}")
+    table.add_column("field")
+    table.add_column("value")
+    rows = [
+        ("fingerprint key", manifest.fingerprint_key),
+        ("backend", f"{manifest.backend} ({manifest.toolchain})"),
+        ("blobs", ", ".join(f"{x.name} {x.size} B" for x in manifest.blobs)),
+        ("verification", f"{'passed' if v.passed else 'FAILED'}: max abs {v.max_abs_error:.3g}, "
+                         f"max rel {v.max_rel_error:.3g} (atol {v.atol}, rtol {v.rtol}, "
+                         f"{v.samples} samples)"),
+        ("build-host latency", f"p50 {b.p50_ms:.3f} ms, p90 {b.p90_ms:.3f} ms"
+                               + (f" (reference p50 {b.reference_p50_ms:.3f} ms)"
+                                  if b.reference_p50_ms else "")),
+        ("signed by", manifest.signature.key_id if manifest.signature else "unsigned"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
