@@ -1,0 +1,139 @@
+"""The TensorRT backend's pure logic. No test here builds an engine: TensorRT is not installed
+on CI machines, and an engine is never faked."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import onnx
+import pytest
+
+from compiler_worker.backends.tensorrt import (
+    TensorRTBackend,
+    builder_optimization_level,
+    profile_shapes,
+)
+from kiln.examples import mlp
+from schemas.errors import BackendUnavailable, InvalidOptions
+from schemas.fingerprint import AcceleratorInfo, CpuInfo, HardwareFingerprint, RuntimeVersions
+from schemas.options import CompileOptions, Precision, ShapeProfile
+
+TRT = TensorRTBackend()
+
+
+def gpu_fp(name: str = "NVIDIA H100 80GB HBM3", cc: str = "9.0", trt: str | None = "10.3.0",
+           *, accelerators: bool = True) -> HardwareFingerprint:
+    return HardwareFingerprint(
+        cpu=CpuInfo(arch="x86_64"),
+        accelerators=[AcceleratorInfo(name=name, compute_capability=cc, memory_bytes=80 << 30)]
+        if accelerators else [],
+        runtimes=RuntimeVersions(onnxruntime="1.32.0", tensorrt=trt, cuda="12.4"),
+    )
+
+
+H100 = gpu_fp()
+A100 = gpu_fp("NVIDIA A100-SXM4-80GB", "8.0")
+A10 = gpu_fp("NVIDIA A10", "8.6")
+A10G = gpu_fp("NVIDIA A10G", "8.6")
+T4 = gpu_fp("Tesla T4", "7.5")
+
+
+def test_key() -> None:
+    assert TRT.fingerprint_key(H100) == "trt-sm90-nvidia-h100-80gb-hbm3-trt10.3"
+    assert TRT.fingerprint_key(A100) == "trt-sm80-nvidia-a100-sxm4-80gb-trt10.3"
+    assert TRT.fingerprint_key(gpu_fp(trt="10.3.1.5")) == TRT.fingerprint_key(H100)
+
+
+def test_supports_needs_cuda_device_and_tensorrt() -> None:
+    assert TRT.supports(H100)
+    assert not TRT.supports(gpu_fp(accelerators=False))
+    assert not TRT.supports(gpu_fp(trt=None))
+    assert not TRT.supports(gpu_fp(cc=""))
+    with pytest.raises(BackendUnavailable, match="needs a CUDA accelerator"):
+        TRT.fingerprint_key(gpu_fp(trt=None))
+
+
+@pytest.mark.parametrize(
+    ("built", "node", "config", "expected"),
+    [
+        (H100, gpu_fp(), None, True),  # same key
+        (A10, A10G, None, False),  # same compute capability, different GPU: plan is specific
+        (A10, A10G, {"hardware_compatibility_level": "same_compute_capability"}, True),
+        (A10, H100, {"hardware_compatibility_level": "same_compute_capability"}, False),
+        (A100, H100, {"hardware_compatibility_level": "ampere_plus"}, True),
+        (A100, T4, {"hardware_compatibility_level": "ampere_plus"}, False),
+        (H100, gpu_fp(trt="10.4.0"), None, False),  # other TensorRT minor
+        (H100, gpu_fp(trt="10.4.0"), {"version_compatible": True}, True),
+        (gpu_fp(trt="10.4.0"), H100, {"version_compatible": True}, False),  # never older
+        (gpu_fp(trt="8.5.3"), gpu_fp(trt="8.6.1"), {"version_compatible": True}, False),
+        (H100, gpu_fp(accelerators=False), None, False),
+    ],
+)
+def test_compatible(built, node, config, expected) -> None:
+    assert TRT.compatible(built, node, config) is expected
+
+
+def test_profiles_from_options() -> None:
+    options = CompileOptions(shapes={
+        "tokens": ShapeProfile(min=[1, 16], opt=[4, 128], max=[8, 512]),
+        "image": ShapeProfile(min=[1, 3, 224, 224], opt=[1, 3, 224, 224], max=[1, 3, 224, 224]),
+    })
+    profiles = profile_shapes(
+        [("tokens", (-1, -1)), ("image", (1, 3, 224, 224)), ("scale", (1,))], options
+    )
+    assert profiles == {"tokens": ((1, 16), (4, 128), (8, 512))}  # static inputs get none
+
+
+@pytest.mark.parametrize(
+    ("inputs", "shapes", "message"),
+    [
+        ([("x", (-1, 64))], {}, r"dynamic shape \[-1, 64\]; TensorRT needs options.shapes"),
+        ([("x", (-1, 64))], {"x": ShapeProfile(min=[1], opt=[2], max=[4])}, "has rank 1"),
+        ([("x", (-1, 64))], {"x": ShapeProfile(min=[1, 32], opt=[2, 64], max=[4, 64])},
+         "must keep dimension 1 at 64"),
+        ([("x", (-1, 64))], {"y": ShapeProfile(min=[1], opt=[1], max=[1])},
+         r"names \['y'\], which are not inputs"),
+    ],
+)
+def test_bad_profiles_are_invalid_options(inputs, shapes, message) -> None:
+    with pytest.raises(InvalidOptions, match=message):
+        profile_shapes(inputs, CompileOptions(shapes=shapes))
+
+
+@pytest.mark.parametrize(
+    ("level", "budget", "expected"), [(0, 0, 0), (1, 0, 2), (2, 0, 3), (3, 0, 3), (3, 60, 5)]
+)
+def test_builder_optimization_level(level: int, budget: float, expected: int) -> None:
+    options = CompileOptions(optimization_level=level, tuning_budget_s=budget)
+    assert builder_optimization_level(options) == expected
+
+
+def test_runtime_config_and_timing_cache_path(tmp_path: Path) -> None:
+    backend = TensorRTBackend(timing_cache_dir=tmp_path, hardware_compatibility="ampere_plus",
+                              version_compatible=True)
+    config = backend.runtime_config(CompileOptions(precision=Precision.FP16),
+                                    {"x": ((1, 4), (2, 4), (8, 4))})
+    assert config["precision"] == "fp16"
+    assert config["hardware_compatibility_level"] == "ampere_plus"
+    assert config["version_compatible"] is True
+    assert config["profiles"] == {"x": [[1, 4], [2, 4], [8, 4]]}
+    expected_cache = tmp_path / "trt-sm90-nvidia-h100-80gb-hbm3-trt10.3.cache"
+    assert backend.timing_cache_path(H100) == expected_cache
+    assert TRT.timing_cache_path(H100) is None
+
+
+def test_unknown_hardware_compatibility_is_refused() -> None:
+    with pytest.raises(InvalidOptions, match="ampere_plus"):
+        TensorRTBackend(hardware_compatibility="everything")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None,
+                    reason="TensorRT is installed here")
+def test_build_without_tensorrt_is_backend_unavailable(tmp_path: Path) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(mlp(), path)
+    with pytest.raises(BackendUnavailable, match="TensorRT is not installed"):
+        TRT.build(path, CompileOptions(), tmp_path / "out", fingerprint=H100)
+    with pytest.raises(BackendUnavailable, match="TensorRT is not installed"):
+        TRT.toolchain()

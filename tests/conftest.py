@@ -1,0 +1,106 @@
+"""Shared fixtures: real services on loopback.
+
+Integration fixtures skip when a service is not reachable, unless KILN_REQUIRE_SERVICES=1
+(CI sets it), in which case they fail: a missing service must never pass silently.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+REQUIRE_SERVICES = os.environ.get("KILN_REQUIRE_SERVICES") == "1"
+PG_ADMIN_URL = os.environ.get(
+    "KILN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+REDIS_URL = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def service_missing(what: str, why: object) -> None:
+    message = f"{what} is not reachable: {why}"
+    if REQUIRE_SERVICES:
+        pytest.fail(f"{message} (KILN_REQUIRE_SERVICES=1)")
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url() -> str:
+    import sqlalchemy as sa
+
+    try:
+        engine = sa.create_engine(PG_ADMIN_URL)
+        with engine.connect() as conn:
+            conn.execute(sa.text("select 1"))
+        engine.dispose()
+    except Exception as exc:  # any driver or connection error means "not there"
+        service_missing("PostgreSQL", exc)
+    return PG_ADMIN_URL
+
+
+@pytest.fixture
+def postgres_url(postgres_server_url: str) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test, dropped afterwards."""
+    import sqlalchemy as sa
+
+    name = f"kiln_test_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(postgres_server_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = sa.make_url(postgres_server_url).set(database=name)
+    try:
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    import redis
+
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+    except Exception as exc:
+        service_missing("Redis", exc)
+    return REDIS_URL
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """An S3-compatible server on loopback (moto's standalone server, real HTTP)."""
+    try:
+        from moto.server import ThreadedMotoServer
+    except ImportError as exc:
+        service_missing("moto's S3 server", exc)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str) -> str:
+    """A fresh bucket on the loopback S3 server."""
+    import boto3
+
+    name = f"kiln-test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(
+        Bucket=name
+    )
+    return name

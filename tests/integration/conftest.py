@@ -1,0 +1,85 @@
+"""Whole stacks as real processes: ``kiln api`` and ``kiln worker`` against SQL, a broker and
+a blob store, on loopback."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kiln.client import KilnClient
+from kiln.stack import EmbeddedStack
+from tests.conftest import free_port
+
+REDIS_TEST_DB = 11
+
+
+def wait_for_worker(client: KilnClient, timeout_s: float = 60) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        keys = client.live_fingerprint_keys()
+        if keys:
+            return keys
+        time.sleep(0.3)
+    raise AssertionError(f"no worker registered within {timeout_s}s")
+
+
+class RunningStack:
+    def __init__(self, stack: EmbeddedStack, kind: str) -> None:
+        self.stack = stack
+        self.kind = kind
+        self.client = stack.client()
+        self.keys = wait_for_worker(self.client)
+
+    @property
+    def home(self) -> Path:
+        return self.stack.home
+
+
+def _start(tmp_path: Path, kind: str, overrides: dict[str, str]) -> Iterator[RunningStack]:
+    stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(), overrides=overrides,
+                          worker_args=["--pool", "solo"])
+    try:
+        stack.start()
+        running = RunningStack(stack, kind)
+        yield running
+        running.client.close()
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(params=["embedded", "redis-postgres-s3"])
+def kiln_stack(request, tmp_path: Path, monkeypatch) -> Iterator[RunningStack]:
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "kiln"))
+    if request.param == "embedded":
+        yield from _start(tmp_path, "embedded", {})
+        return
+    import redis
+
+    redis_url = request.getfixturevalue("redis_url").rsplit("/", 1)[0] + f"/{REDIS_TEST_DB}"
+    redis.Redis.from_url(redis_url).flushdb()
+    endpoint = request.getfixturevalue("s3_endpoint")
+    bucket = request.getfixturevalue("s3_bucket")
+    overrides = {
+        "KILN_DATABASE_URL": request.getfixturevalue("postgres_url"),
+        "KILN_BROKER_URL": redis_url,
+        "KILN_STORE_URI": f"s3://{bucket}/artifacts",
+        "KILN_S3_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+    }
+    yield from _start(tmp_path, "redis-postgres-s3", overrides)
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[EmbeddedStack]:
+    """The embedded stack (API + one worker process) with agents heartbeating twice a second."""
+    stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(), worker_args=["--pool", "solo"],
+                          overrides={"KILN_AGENT_HEARTBEAT_S": "0.5"})
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()

@@ -1,0 +1,147 @@
+"""Submit → queue → compile → store, on real processes and services.
+
+Each test runs twice: on the embedded stack (SQLite, filesystem broker, local store) and on
+Redis + PostgreSQL + an S3-compatible server, with a real Celery worker process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from onnx import TensorProto, helper
+
+from artifact_store import load_verifier
+from kiln.examples import mlp, onnx_test_model, small_cnn
+from schemas import CompileOptions, JobStatus
+from schemas.errors import KilnError
+
+pytestmark = pytest.mark.integration
+
+
+def compile_once(stack, model_bytes: bytes, options: CompileOptions | None = None, *,
+                 on_update=None):
+    model = stack.client.upload_model(model_bytes, name="test")
+    (job,) = stack.client.create_jobs(model.id, stack.keys[:1], options)
+    return model, stack.client.wait_job(job.id, timeout_s=300, on_update=on_update)
+
+
+def test_submit_compile_verify_publish(kiln_stack, tmp_path: Path):
+    stages: list[str] = []
+    model, job = compile_once(
+        kiln_stack, onnx_test_model("light_resnet50").SerializeToString(),
+        CompileOptions(benchmark_iterations=20),
+        on_update=lambda j: stages.append(j.stage.value),
+    )
+    assert job.status is JobStatus.SUCCEEDED, job.error
+    assert job.attempts == 1 and not job.cache_hit
+    # The job's stage was visible while it ran.
+    assert {"verifying", "benchmarking", "building", "optimizing", "checking"} & set(stages)
+
+    manifest = kiln_stack.client.get_manifest(job.artifact_id)
+    assert manifest.model_sha256 == model.id
+    assert manifest.fingerprint_key == job.fingerprint_key
+    assert manifest.verification.passed and manifest.verification.samples >= 1
+    assert manifest.benchmark.p50_ms > 0 and manifest.benchmark.p90_ms >= manifest.benchmark.p50_ms
+    assert manifest.build_fingerprint.cpu.arch
+    load_verifier([kiln_stack.home / "signing.key.pub"]).verify(manifest)
+
+    engine = manifest.blob("engine")
+    dest = kiln_stack.client.download_blob(job.artifact_id, engine, tmp_path / "engine.onnx")
+    assert hashlib.sha256(dest.read_bytes()).hexdigest() == engine.sha256
+    listed = kiln_stack.client.list_artifacts(fingerprint_key=job.fingerprint_key)
+    assert [a.id for a in listed] == [job.artifact_id]
+
+
+def test_cache_hit_and_duplicate_delivery_yield_one_artifact(kiln_stack):
+    from celery import Celery
+
+    from services.config import KilnSettings
+    from services.queue import configure_celery, enqueue_compile
+
+    model, first = compile_once(kiln_stack, small_cnn().SerializeToString())
+    assert first.status is JobStatus.SUCCEEDED, first.error
+
+    # Same model, options and key: answered from the store, no build.
+    (hit,) = kiln_stack.client.create_jobs(model.id, [first.fingerprint_key])
+    assert hit.status is JobStatus.SUCCEEDED and hit.cache_hit
+    assert hit.artifact_id == first.artifact_id
+
+    # A task delivered twice (here: the same job enqueued again) still yields one artifact.
+    options = CompileOptions(optimization_level=1)
+    (job,) = kiln_stack.client.create_jobs(model.id, [first.fingerprint_key], options)
+    settings = KilnSettings(home=kiln_stack.home,
+                            broker_url=kiln_stack.stack.overrides.get("KILN_BROKER_URL"))
+    producer = configure_celery(settings, Celery("test-producer", set_as_current=False))
+    enqueue_compile(producer, job_id=job.id, fingerprint_key=job.fingerprint_key)
+    done = kiln_stack.client.wait_job(job.id, timeout_s=300)
+    assert done.status is JobStatus.SUCCEEDED, done.error
+    artifacts = kiln_stack.client.list_artifacts(model_id=model.id)
+    assert len(artifacts) == 2  # level 3 and level 1, each once
+    assert len({a.options_digest for a in artifacts}) == 2
+
+
+def test_model_failing_the_checker_fails_its_job_with_a_typed_reason(kiln_stack):
+    node = helper.make_node("Relu", ["missing_input"], ["y"])
+    graph = helper.make_graph(
+        [node], "broken",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    broken = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    _, job = compile_once(kiln_stack, broken.SerializeToString())
+    assert job.status is JobStatus.FAILED
+    assert job.error.code == "model_check_failed"
+    assert "missing_input" in job.error.message
+    assert job.artifact_id is None
+    assert kiln_stack.client.list_artifacts() == []
+
+
+def test_verification_over_tolerance_fails_the_job_and_publishes_nothing(kiln_stack):
+    # Level 3 folds BatchNormalization into Conv: float results move by ~1e-7, which a
+    # zero tolerance rejects. The job must fail, never fall back to something else.
+    options = CompileOptions(tolerance={"atol": 0.0, "rtol": 0.0})
+    _, job = compile_once(kiln_stack, small_cnn().SerializeToString(), options)
+    assert job.status is JobStatus.FAILED
+    assert job.error.code == "verification_failed"
+    assert kiln_stack.client.list_artifacts() == []
+
+
+def test_bad_requests_keep_the_service_serving(kiln_stack):
+    with pytest.raises(KilnError) as err:
+        kiln_stack.client.upload_model(b"\x08\x07garbage")
+    assert err.value.code == "invalid_model"
+    model = kiln_stack.client.upload_model(mlp().SerializeToString())
+    with pytest.raises(KilnError) as err:
+        kiln_stack.client.create_jobs("f" * 64, kiln_stack.keys)
+    assert err.value.code == "not_found"
+    assert kiln_stack.client.get_model(model.id).id == model.id
+    assert kiln_stack.client.health()["status"] == "ok"
+
+
+def test_cli_submit_wait_jobs_artifacts(kiln_stack, tmp_path: Path):
+    import json
+    import subprocess
+    import sys
+
+    model = tmp_path / "mlp.onnx"
+    model.write_bytes(mlp(seed=7).SerializeToString())
+    env = {**__import__("os").environ, "KILN_HOME": str(kiln_stack.home), "COLUMNS": "200"}
+    kiln = [sys.executable, "-m", "kiln.cli"]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*kiln, *args], env=env, capture_output=True, text=True,
+                              timeout=300)
+
+    submitted = run("submit", str(model), "--wait", "--opt-level", "2")
+    assert submitted.returncode == 0, submitted.stderr
+    assert "passed" in submitted.stdout and kiln_stack.keys[0] in submitted.stdout
+    listed = run("artifacts", "--json", "--fingerprint", kiln_stack.keys[0])
+    assert listed.returncode == 0, listed.stderr
+    (artifact,) = json.loads(listed.stdout)
+    assert artifact["backend"] == "onnxruntime"
+    jobs = run("jobs")
+    assert jobs.returncode == 0 and "succeeded" in jobs.stdout
+    bad = run("submit", str(model), "--target", "no-such-key!")
+    assert bad.returncode != 0 and "fingerprint_key" in bad.stderr

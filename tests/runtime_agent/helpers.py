@@ -1,0 +1,258 @@
+"""Shared by the runtime-agent and SDK tests: signed artifacts compiled from ``kiln.examples``,
+a small control plane serving the agent-facing routes over real HTTP, and waiting helpers.
+
+The control plane here implements the routes an agent calls (``POST /v1/agents``,
+``POST /v1/agents/{name}/heartbeat``, ``GET /v1/artifacts/{id}``, blob download with Range,
+``GET /v1/plugins/{name}/{version}`` and its ``/bundle``) from artifact directories and plugin
+bundles on disk; the real API is exercised by the integration tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI, Header, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+
+from artifact_store.signing import Signer, generate_keypair
+from compiler_worker.pipeline import compile_model, write_artifact_dir
+from kiln.examples import mlp
+from runtime_agent.executors import MANIFEST_FILENAME, blob_filename
+from runtime_agent.fingerprint import detect_fingerprint
+from runtime_agent.server import ServerThread
+from schemas.agents import AgentHeartbeat, AgentRegistration, DesiredModel, DesiredState
+from schemas.errors import ErrorBody, ErrorCode
+from schemas.manifest import ArtifactManifest, BlobRef
+from schemas.options import CompileOptions
+
+FAST = CompileOptions(verify_samples=2, benchmark_iterations=3)
+TOKEN = "agent-test-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float = 15.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}")
+        time.sleep(0.02)
+
+
+@dataclass
+class Keys:
+    signer: Signer
+    public: Path
+
+
+def make_keys(directory: Path) -> Keys:
+    signer = generate_keypair(directory / "signing.key")
+    return Keys(signer, directory / "signing.key.pub")
+
+
+def compile_signed_mlp(directory: Path, signer: Signer, *, seed: int = 0) -> Path:
+    """``mlp(seed=seed)`` compiled for this machine, written signed to ``directory/out``."""
+    result = compile_model(mlp(seed=seed).SerializeToString(), FAST,
+                           fingerprint=detect_fingerprint(), workdir=directory / "work")
+    return write_artifact_dir(result, directory / "out", signer.sign(result.manifest))
+
+
+def read_manifest(artifact_dir: Path) -> ArtifactManifest:
+    return ArtifactManifest.model_validate_json((artifact_dir / MANIFEST_FILENAME).read_bytes())
+
+
+def fake_artifact(template: Path, out: Path, artifact_id: str, payload: bytes,
+                  signer: Signer | None) -> Path:
+    """An artifact directory like ``template``'s whose one ``engine`` blob is ``payload``
+    (a loadable engine or not), signed by ``signer`` (or unsigned)."""
+    manifest = read_manifest(template)
+    ref = BlobRef(name="engine", sha256=hashlib.sha256(payload).hexdigest(), size=len(payload),
+                  media_type="application/x-onnx")
+    manifest = manifest.model_copy(update={"artifact_id": artifact_id, "blobs": [ref],
+                                           "signature": None})
+    if signer is not None:
+        manifest = signer.sign(manifest)
+    out.mkdir(parents=True)
+    (out / blob_filename(ref)).write_bytes(payload)
+    (out / MANIFEST_FILENAME).write_text(manifest.model_dump_json())
+    return out
+
+
+def desired_model(deployment: str, artifact_id: str | None) -> DesiredModel:
+    return DesiredModel(deployment=deployment, deployment_id=f"dep-{deployment}", generation=1,
+                        model_id="m" * 64, options_digest="0" * 64, backend="onnxruntime",
+                        artifact_id=artifact_id, tier="exact" if artifact_id else "none")
+
+
+def _error(status: int, code: ErrorCode, message: str) -> JSONResponse:
+    return JSONResponse(ErrorBody(code=code, message=message).model_dump(mode="json"),
+                        status_code=status)
+
+
+@dataclass
+class ControlPlaneStub:
+    """The agent-facing routes of the control plane, over artifact directories on disk."""
+
+    artifacts: dict[str, Path] = field(default_factory=dict)
+    desired: list[DesiredModel] = field(default_factory=list)
+    heartbeat_s: float = 0.05
+    registrations: list[AgentRegistration] = field(default_factory=list)
+    heartbeats: list[AgentHeartbeat] = field(default_factory=list)
+    #: (artifact id, blob name, Range header) of every blob request.
+    blob_requests: list[tuple[str, str, str | None]] = field(default_factory=list)
+    #: Artifact ids whose blobs are served with one byte flipped.
+    tampered: set[str] = field(default_factory=set)
+    #: (plugin name, version) → bundle archive.
+    plugins: dict[tuple[str, str], Path] = field(default_factory=dict)
+    #: (name, version) of every plugin bundle download.
+    bundle_requests: list[tuple[str, str]] = field(default_factory=list)
+    url: str = ""
+
+    def add(self, artifact_dir: Path) -> str:
+        """Serve the artifact in ``artifact_dir``, and the plugin bundles it carries
+        (``plugins/<digest>.tar``) as registered plugins."""
+        manifest = read_manifest(artifact_dir)
+        for ref in manifest.plugins:
+            bundle = artifact_dir / "plugins" / f"{ref.digest}.tar"
+            if bundle.is_file():
+                self.plugins[(ref.name, ref.version)] = bundle
+        self.artifacts[manifest.artifact_id] = artifact_dir
+        return manifest.artifact_id
+
+    def reset(self) -> None:
+        self.artifacts.clear()
+        self.desired = []
+        self.registrations.clear()
+        self.heartbeats.clear()
+        self.blob_requests.clear()
+        self.tampered.clear()
+        self.plugins.clear()
+        self.bundle_requests.clear()
+
+    def last_status(self, deployment: str):
+        for beat in reversed(self.heartbeats):
+            for status in beat.models:
+                if status.deployment == deployment:
+                    return status
+        return None
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            if request.headers.get("authorization") != f"Bearer {TOKEN}":
+                return _error(401, ErrorCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            return await call_next(request)
+
+        def state(name: str) -> DesiredState:
+            return DesiredState(agent=name, models=list(self.desired),
+                                heartbeat_s=self.heartbeat_s)
+
+        @app.post("/v1/agents")
+        def register(registration: AgentRegistration) -> DesiredState:
+            self.registrations.append(registration)
+            return state(registration.name)
+
+        @app.post("/v1/agents/{name}/heartbeat", response_model=None)
+        def heartbeat(name: str, beat: AgentHeartbeat) -> DesiredState | JSONResponse:
+            if name not in {r.name for r in self.registrations}:
+                return _error(404, ErrorCode.NOT_FOUND, f"no agent named {name!r}")
+            self.heartbeats.append(beat)
+            return state(name)
+
+        @app.get("/v1/artifacts/{artifact_id}", response_model=None)
+        def artifact(artifact_id: str):
+            if artifact_id not in self.artifacts:
+                return _error(404, ErrorCode.NOT_FOUND, f"no artifact {artifact_id}")
+            return {"manifest": read_manifest(self.artifacts[artifact_id]).model_dump(mode="json")}
+
+        @app.get("/v1/artifacts/{artifact_id}/blobs/{blob}", response_model=None)
+        def blob(artifact_id: str, blob: str, range_: str | None = Header(None, alias="Range")):
+            self.blob_requests.append((artifact_id, blob, range_))
+            if artifact_id not in self.artifacts:
+                return _error(404, ErrorCode.NOT_FOUND, f"no artifact {artifact_id}")
+            directory = self.artifacts[artifact_id]
+            ref = read_manifest(directory).blob(blob)
+            path = directory / blob_filename(ref)
+            if artifact_id in self.tampered:
+                data = bytearray(path.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                return Response(bytes(data))
+            return FileResponse(path, headers={"X-Kiln-SHA256": ref.sha256})
+
+        def plugin_record(name: str, version: str) -> dict | None:
+            bundle = self.plugins.get((name, version))
+            if bundle is None:
+                return None
+            data = bundle.read_bytes()
+            return {"name": name, "version": version, "size_bytes": len(data),
+                    "digest": hashlib.sha256(data).hexdigest()}
+
+        @app.get("/v1/plugins/{name}/{version}", response_model=None)
+        def plugin(name: str, version: str):
+            record = plugin_record(name, version)
+            if record is None:
+                return _error(404, ErrorCode.NOT_FOUND, f"no plugin {name} {version}")
+            return record
+
+        @app.get("/v1/plugins/{name}/{version}/bundle", response_model=None)
+        def plugin_bundle(name: str, version: str):
+            self.bundle_requests.append((name, version))
+            record = plugin_record(name, version)
+            if record is None:
+                return _error(404, ErrorCode.NOT_FOUND, f"no plugin {name} {version}")
+            return FileResponse(self.plugins[(name, version)],
+                                headers={"X-Kiln-SHA256": record["digest"]})
+
+        return app
+
+
+@dataclass
+class Fixtures:
+    """Session-wide keys and compiled artifacts."""
+
+    keys: Keys
+    untrusted: Keys
+    #: Two different signed ``mlp`` artifacts.
+    mlp_a: Path
+    mlp_b: Path
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Fixtures:
+    root = tmp_path_factory.mktemp("artifacts")
+    keys = make_keys(root / "keys")
+    untrusted = make_keys(root / "untrusted")
+    return Fixtures(keys, untrusted, compile_signed_mlp(root / "a", keys.signer, seed=0),
+                    compile_signed_mlp(root / "b", keys.signer, seed=1))
+
+
+@pytest.fixture(scope="session")
+def _control_plane_server() -> Iterator[ControlPlaneStub]:
+    stub = ControlPlaneStub()
+    port = free_port()
+    server = ServerThread(stub.app(), "127.0.0.1", port)
+    server.start()
+    stub.url = f"http://127.0.0.1:{port}"
+    try:
+        yield stub
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def control_plane(_control_plane_server: ControlPlaneStub) -> ControlPlaneStub:
+    """The running control-plane stub, emptied for this test."""
+    _control_plane_server.reset()
+    return _control_plane_server

@@ -1,0 +1,167 @@
+"""The artifact cache: verified fetches over HTTP, LRU eviction, pins, restarts, corruption."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from artifact_store.signing import load_verifier
+from runtime_agent.cache import ArtifactCache
+from runtime_agent.control import ControlPlane
+from schemas.agents import DesiredState
+from schemas.errors import ConfigError, IntegrityError, KilnError, SignatureInvalid
+from tests.runtime_agent.helpers import (
+    TOKEN,
+    ControlPlaneStub,
+    Fixtures,
+    desired_model,
+    fake_artifact,
+    read_manifest,
+)
+
+SIZE = 10_000
+
+
+@pytest.fixture
+def source(control_plane: ControlPlaneStub):
+    with ControlPlane(control_plane.url, TOKEN, timeout_s=5) as client:
+        yield client
+
+
+@pytest.fixture
+def verifier(built: Fixtures):
+    return load_verifier([built.keys.public])
+
+
+def add_fake(stub: ControlPlaneStub, built: Fixtures, tmp_path: Path, artifact_id: str,
+             *, signer: object = "trusted") -> str:
+    signer = built.keys.signer if signer == "trusted" else signer
+    payload = os.urandom(SIZE)
+    return stub.add(fake_artifact(built.mlp_a, tmp_path / "served" / artifact_id, artifact_id,
+                                  payload, signer))  # type: ignore[arg-type]
+
+
+def manifest_bytes(cache: ArtifactCache, artifact_id: str) -> int:
+    return (cache.path(artifact_id) / "manifest.json").stat().st_size
+
+
+def test_fetch_verifies_then_serves_from_disk(control_plane, built, source, verifier,
+                                              tmp_path: Path) -> None:
+    artifact_id = control_plane.add(built.mlp_a)
+    with ArtifactCache(tmp_path / "cache", 10**9) as cache:
+        path = cache.fetch(artifact_id, source, verifier)
+        assert path == cache.path(artifact_id) and artifact_id in cache
+        assert read_manifest(path) == read_manifest(built.mlp_a)
+        assert sorted(p.name for p in path.iterdir()) == ["engine.onnx", "manifest.json"]
+        assert cache.verify(artifact_id, verifier)
+        requests = len(control_plane.blob_requests)
+        assert cache.fetch(artifact_id, source, verifier) == path
+        assert len(control_plane.blob_requests) == requests  # a hit: nothing downloaded
+        assert list((tmp_path / "cache" / "staging").iterdir()) == []
+
+
+def test_lru_eviction_order(control_plane, built, source, verifier, tmp_path: Path) -> None:
+    ids = [add_fake(control_plane, built, tmp_path, name) for name in ("a1", "b2", "c3")]
+    with ArtifactCache(tmp_path / "cache", 10**9) as cache:
+        cache.fetch(ids[0], source, verifier)
+        entry = SIZE + manifest_bytes(cache, ids[0])
+        cache.max_bytes = 2 * entry + 100  # room for two
+        cache.fetch(ids[1], source, verifier)
+        cache.fetch(ids[0], source, verifier)  # a1 used again: b2 is now the oldest
+        cache.fetch(ids[2], source, verifier)
+        assert [e.artifact_id for e in cache.entries()] == ["a1", "c3"]
+        assert not cache.path("b2").exists()
+        assert cache.total_bytes <= cache.max_bytes
+
+
+def test_pinned_entries_are_never_evicted(control_plane, built, source, verifier,
+                                          tmp_path: Path) -> None:
+    ids = [add_fake(control_plane, built, tmp_path, name) for name in ("a1", "b2", "c3")]
+    with ArtifactCache(tmp_path / "cache", 1) as cache:  # every entry is over budget
+        with cache.pinned("a1"):
+            for artifact_id in ids:
+                cache.fetch(artifact_id, source, verifier)
+            # The newest stays until the next eviction; the pinned oldest is kept regardless.
+            assert [e.artifact_id for e in cache.entries()] == ["a1", "c3"]
+            assert cache.evict() == ["c3"]
+            assert [e.artifact_id for e in cache.entries()] == ["a1"]
+        assert cache.evict() == ["a1"]
+
+
+def test_the_index_survives_a_restart(control_plane, built, source, verifier,
+                                      tmp_path: Path) -> None:
+    ids = [add_fake(control_plane, built, tmp_path, name) for name in ("b2", "a1")]
+    with ArtifactCache(tmp_path / "cache", 10**9) as cache:
+        for artifact_id in ids:
+            cache.fetch(artifact_id, source, verifier)
+        before = cache.entries()
+        with pytest.raises(ConfigError, match="in use by another agent"):
+            ArtifactCache(tmp_path / "cache", 10**9)
+    with ArtifactCache(tmp_path / "cache", 10**9) as reopened:
+        assert reopened.entries() == before
+        assert [e.artifact_id for e in before] == ["b2", "a1"]  # use order, not name order
+        requests = len(control_plane.blob_requests)
+        reopened.fetch("b2", source, verifier)
+        assert len(control_plane.blob_requests) == requests
+
+
+def test_a_corrupted_blob_is_detected_dropped_and_fetched_again(
+        control_plane, built, source, verifier, tmp_path: Path) -> None:
+    artifact_id = control_plane.add(built.mlp_a)
+    with ArtifactCache(tmp_path / "cache", 10**9) as cache:
+        path = cache.fetch(artifact_id, source, verifier)
+        with (path / "engine.onnx").open("r+b") as f:
+            f.seek(100)
+            f.write(b"\x00\x01\x02")
+        assert not cache.verify(artifact_id, verifier)
+        assert artifact_id not in cache and not path.exists()
+        requests = len(control_plane.blob_requests)
+        cache.fetch(artifact_id, source, verifier)
+        assert len(control_plane.blob_requests) == requests + 1
+        assert cache.verify(artifact_id, verifier)
+
+
+@pytest.mark.parametrize(("signer", "message"), [
+    (None, "is not signed"),
+    ("untrusted", "which is not trusted"),
+])
+def test_unsigned_or_untrusted_manifests_are_refused(control_plane, built, source, verifier,
+                                                     tmp_path: Path, signer, message) -> None:
+    signer = built.untrusted.signer if signer == "untrusted" else signer
+    artifact_id = add_fake(control_plane, built, tmp_path, "x1", signer=signer)
+    with ArtifactCache(tmp_path / "cache", 10**9) as cache:
+        with pytest.raises(SignatureInvalid, match=message):
+            cache.fetch(artifact_id, source, verifier)
+        assert artifact_id not in cache and control_plane.blob_requests == []
+
+
+def test_tampered_blobs_and_substituted_manifests_are_refused(
+        control_plane, built, source, verifier, tmp_path: Path) -> None:
+    artifact_id = control_plane.add(built.mlp_a)
+    control_plane.tampered.add(artifact_id)
+    with ArtifactCache(tmp_path / "cache", 10**9) as cache:
+        with pytest.raises(IntegrityError, match="sha256"):
+            cache.fetch(artifact_id, source, verifier)
+        assert artifact_id not in cache
+        assert list((tmp_path / "cache" / "artifacts").iterdir()) == []
+        assert not any(p.suffix == ".part" for p in (tmp_path / "cache").rglob("*"))
+
+        control_plane.artifacts["other"] = built.mlp_a  # answers with a1's manifest
+        with pytest.raises(IntegrityError, match="asked for the manifest of artifact other"):
+            cache.fetch("other", source, verifier)
+        with pytest.raises(KilnError, match="no artifact missing") as caught:
+            cache.fetch("missing", source, verifier)
+        assert caught.value.code == "not_found"
+
+
+def test_desired_state_is_persisted(tmp_path: Path) -> None:
+    state = DesiredState(agent="n1", models=[desired_model("mlp", "a1")], heartbeat_s=2)
+    with ArtifactCache(tmp_path, 10**9) as cache:
+        assert cache.load_state() is None
+        cache.save_state(state)
+    with ArtifactCache(tmp_path, 10**9) as cache:
+        assert cache.load_state() == state
+        (tmp_path / "state.json").write_text("{not json")
+        assert cache.load_state() is None

@@ -1,0 +1,277 @@
+"""Compile jobs: creation, listing, and the state machine a worker drives."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from schemas import CompileOptions, ErrorBody, ErrorCode, JobStage, JobStatus, ShapeProfile
+from schemas.errors import Conflict, InvalidRequest, NotFound
+from services.db import repo, session_scope
+
+from .helpers import FINGERPRINT_KEY, add_model, manifest
+
+OPTIONS = CompileOptions(
+    optimization_level=2, shapes={"x": ShapeProfile(min=[1, 3], opt=[4, 3], max=[8, 3])}
+)
+
+
+@pytest.fixture
+def model_id(session: Session) -> str:
+    return add_model(session).id
+
+
+def _job(session: Session, model_id: str, key: str = FINGERPRINT_KEY):
+    return repo.create_job(session, model_id=model_id, options=OPTIONS, fingerprint_key=key)
+
+
+def _artifact_id(session: Session, model_id: str) -> str:
+    summary, _ = repo.record_artifact(session, model_id=model_id, manifest=manifest(model_id))
+    return summary.id
+
+
+def test_create_and_get_job(session: Session, model_id: str) -> None:
+    job = _job(session, model_id)
+    assert len(job.id) == 32
+    assert (job.status, job.stage, job.progress) == (JobStatus.QUEUED, JobStage.PENDING, 0.0)
+    assert job.options == OPTIONS and job.options_digest == OPTIONS.digest()
+    assert (job.attempts, job.cache_hit, job.worker, job.error, job.artifact_id) == (
+        0,
+        False,
+        None,
+        None,
+        None,
+    )
+    assert job.created_at.tzinfo is UTC and job.updated_at == job.created_at
+    assert job.started_at is None and job.finished_at is None
+    assert repo.get_job(session, job_id=job.id) == job
+
+
+def test_job_survives_a_fresh_session(factory: sessionmaker[Session]) -> None:
+    with session_scope(factory) as session:
+        job = _job(session, add_model(session).id)
+    with session_scope(factory) as session:
+        assert repo.get_job(session, job_id=job.id) == job
+
+
+def test_unknown_ids_are_not_found(session: Session, model_id: str) -> None:
+    with pytest.raises(NotFound, match="no model nope") as info:
+        _job(session, "nope")
+    assert info.value.code is ErrorCode.NOT_FOUND
+    with pytest.raises(NotFound, match="no compile job j1") as info:
+        repo.get_job(session, job_id="j1")
+    assert info.value.to_body().details == {"job_id": "j1"}
+    with pytest.raises(NotFound, match="no compile job j2"):
+        repo.start_job(session, job_id="j2", worker="w")
+    with pytest.raises(NotFound, match="no artifact a1"):
+        repo.create_cached_job(
+            session, model_id=model_id, options=OPTIONS, fingerprint_key="k", artifact_id="a1"
+        )
+    job = _job(session, model_id)
+    with pytest.raises(NotFound, match="no artifact a2"):
+        repo.succeed_job(session, job_id=job.id, artifact_id="a2")
+
+
+def test_create_cached_job(session: Session, model_id: str) -> None:
+    artifact_id = _artifact_id(session, model_id)
+    job = repo.create_cached_job(
+        session,
+        model_id=model_id,
+        options=OPTIONS,
+        fingerprint_key=FINGERPRINT_KEY,
+        artifact_id=artifact_id,
+    )
+    assert (job.status, job.stage, job.progress, job.cache_hit) == (
+        JobStatus.SUCCEEDED,
+        JobStage.DONE,
+        1.0,
+        True,
+    )
+    assert job.artifact_id == artifact_id and job.finished_at is not None
+    assert job.finished_at.tzinfo is UTC
+    assert (
+        repo.find_active_job(
+            session,
+            model_id=model_id,
+            options_digest=OPTIONS.digest(),
+            fingerprint_key=FINGERPRINT_KEY,
+        )
+        is None
+    )
+
+
+def test_list_jobs_filters_newest_first(session: Session, model_id: str) -> None:
+    other = add_model(session, "other").id
+    a, b, c = _job(session, model_id), _job(session, other), _job(session, model_id)
+    repo.start_job(session, job_id=c.id, worker="w1")
+    assert [j.id for j in repo.list_jobs(session)] == [c.id, b.id, a.id]
+    assert [j.id for j in repo.list_jobs(session, limit=1)] == [c.id]
+    assert [j.id for j in repo.list_jobs(session, model_id=model_id)] == [c.id, a.id]
+    assert [j.id for j in repo.list_jobs(session, status=JobStatus.QUEUED)] == [b.id, a.id]
+    assert [j.id for j in repo.list_jobs(session, model_id=model_id, status=JobStatus.RUNNING)] == [
+        c.id
+    ]
+
+
+def test_find_active_job(session: Session, model_id: str) -> None:
+    key = {
+        "model_id": model_id,
+        "options_digest": OPTIONS.digest(),
+        "fingerprint_key": FINGERPRINT_KEY,
+    }
+    assert repo.find_active_job(session, **key) is None
+    job = _job(session, model_id)
+    _job(session, model_id, key="other-key")
+    for status in (JobStatus.WAITING_FOR_HARDWARE, JobStatus.QUEUED):
+        repo.set_job_status(session, job_id=job.id, status=status)
+        assert repo.find_active_job(session, **key).id == job.id
+    repo.start_job(session, job_id=job.id, worker="w")
+    assert repo.find_active_job(session, **key).status is JobStatus.RUNNING
+    repo.fail_job(session, job_id=job.id, error=ErrorBody(code="build_failed", message="x"))
+    assert repo.find_active_job(session, **key) is None
+
+
+def test_start_job_claims_and_redelivery_takes_over(session: Session, model_id: str) -> None:
+    job = _job(session, model_id)
+    started = repo.start_job(session, job_id=job.id, worker="w1")
+    assert started is not None
+    assert (started.status, started.attempts, started.worker) == (JobStatus.RUNNING, 1, "w1")
+    assert started.started_at is not None and started.started_at.tzinfo is UTC
+    repo.set_job_stage(session, job_id=job.id, stage=JobStage.BUILDING, progress=0.5)
+
+    again = repo.start_job(session, job_id=job.id, worker="w2")  # w1 died, task redelivered
+    assert again is not None
+    assert (again.status, again.attempts, again.worker) == (JobStatus.RUNNING, 2, "w2")
+    assert (again.stage, again.progress) == (JobStage.PENDING, 0.0)
+    assert again.started_at >= started.started_at
+
+
+@pytest.mark.parametrize("finish", ["succeed", "fail"])
+def test_start_job_on_terminal_job_returns_none(
+    session: Session, model_id: str, finish: str
+) -> None:
+    job = _job(session, model_id)
+    repo.start_job(session, job_id=job.id, worker="w1")
+    if finish == "succeed":
+        repo.succeed_job(session, job_id=job.id, artifact_id=_artifact_id(session, model_id))
+    else:
+        repo.fail_job(session, job_id=job.id, error=ErrorBody(code="build_failed", message="x"))
+    before = repo.get_job(session, job_id=job.id)
+    assert repo.start_job(session, job_id=job.id, worker="w2") is None
+    assert repo.get_job(session, job_id=job.id) == before
+
+
+def test_concurrent_starts_both_count(factory: sessionmaker[Session]) -> None:
+    """FOR UPDATE (PostgreSQL) / BEGIN IMMEDIATE (SQLite): no lost attempts."""
+    with session_scope(factory) as session:
+        job = _job(session, add_model(session).id)
+
+    def start(worker: str) -> int:
+        with session_scope(factory) as session:
+            return repo.start_job(session, job_id=job.id, worker=worker).attempts
+
+    with ThreadPoolExecutor(4) as pool:
+        attempts = sorted(pool.map(start, [f"w{i}" for i in range(4)]))
+    assert attempts == [1, 2, 3, 4]
+
+
+def test_set_job_stage(session: Session, model_id: str) -> None:
+    job = _job(session, model_id)
+    repo.start_job(session, job_id=job.id, worker="w")
+    repo.set_job_stage(session, job_id=job.id, stage=JobStage.VERIFYING, progress=0.75)
+    got = repo.get_job(session, job_id=job.id)
+    assert (got.stage, got.progress) == (JobStage.VERIFYING, 0.75)
+    assert got.updated_at >= job.updated_at
+    with pytest.raises(InvalidRequest):
+        repo.set_job_stage(session, job_id=job.id, stage=JobStage.BUILDING, progress=1.5)
+    repo.fail_job(session, job_id=job.id, error=ErrorBody(code="build_failed", message="x"))
+    repo.set_job_stage(session, job_id=job.id, stage=JobStage.PUBLISHING, progress=0.9)
+    assert repo.get_job(session, job_id=job.id).stage is JobStage.VERIFYING  # ignored
+
+
+def test_set_job_status(session: Session, model_id: str) -> None:
+    job = _job(session, model_id)
+    repo.set_job_status(session, job_id=job.id, status=JobStatus.WAITING_FOR_HARDWARE)
+    assert repo.get_job(session, job_id=job.id).status is JobStatus.WAITING_FOR_HARDWARE
+    repo.set_job_status(session, job_id=job.id, status=JobStatus.QUEUED)
+    assert repo.get_job(session, job_id=job.id).status is JobStatus.QUEUED
+    with pytest.raises(InvalidRequest, match="succeed_job"):
+        repo.set_job_status(session, job_id=job.id, status=JobStatus.SUCCEEDED)
+    repo.fail_job(session, job_id=job.id, error=ErrorBody(code="build_failed", message="x"))
+    repo.set_job_status(session, job_id=job.id, status=JobStatus.QUEUED)
+    assert repo.get_job(session, job_id=job.id).status is JobStatus.FAILED  # ignored
+
+
+def test_succeed_job(session: Session, model_id: str) -> None:
+    job = _job(session, model_id)
+    repo.start_job(session, job_id=job.id, worker="w")
+    artifact_id = _artifact_id(session, model_id)
+    done = repo.succeed_job(session, job_id=job.id, artifact_id=artifact_id)
+    assert (done.status, done.stage, done.progress, done.artifact_id, done.cache_hit) == (
+        JobStatus.SUCCEEDED,
+        JobStage.DONE,
+        1.0,
+        artifact_id,
+        False,
+    )
+    assert done.finished_at is not None and done.finished_at.tzinfo is UTC
+    assert repo.succeed_job(session, job_id=job.id, artifact_id=artifact_id) == done
+    with pytest.raises(Conflict) as info:
+        repo.fail_job(session, job_id=job.id, error=ErrorBody(code="internal", message="x"))
+    assert info.value.code is ErrorCode.CONFLICT
+
+
+def test_succeed_job_as_cache_hit(session: Session, model_id: str) -> None:
+    job = _job(session, model_id)
+    done = repo.succeed_job(
+        session, job_id=job.id, artifact_id=_artifact_id(session, model_id), cache_hit=True
+    )
+    assert done.cache_hit and done.status is JobStatus.SUCCEEDED
+
+
+def test_fail_job(session: Session, model_id: str) -> None:
+    job = _job(session, model_id)
+    repo.start_job(session, job_id=job.id, worker="w")
+    repo.set_job_stage(session, job_id=job.id, stage=JobStage.VERIFYING, progress=0.8)
+    error = ErrorBody(
+        code=ErrorCode.VERIFICATION_FAILED,
+        message="max abs error 0.3 > atol 1e-4",
+        details={"output": "y", "max_abs_error": 0.3},
+    )
+    failed = repo.fail_job(session, job_id=job.id, error=error)
+    assert (failed.status, failed.stage, failed.error) == (
+        JobStatus.FAILED,
+        JobStage.VERIFYING,
+        error,
+    )
+    assert failed.finished_at is not None
+    second = ErrorBody(code=ErrorCode.INTERNAL, message="later")
+    assert repo.fail_job(session, job_id=job.id, error=second).error == error  # first wins
+    with pytest.raises(Conflict):
+        repo.succeed_job(session, job_id=job.id, artifact_id=_artifact_id(session, model_id))
+
+
+def test_worker_heartbeat_alive_and_stopped(session) -> None:
+    from datetime import timedelta
+
+    from schemas import CpuInfo, HardwareFingerprint
+    from services.db.tables import WorkerRow
+
+    fp = HardwareFingerprint(cpu=CpuInfo(arch="x86_64", features=["avx2"]))
+    info = repo.heartbeat_worker(session, name="w1", fingerprint_keys=["k1"], fingerprint=fp)
+    assert info.alive and info.fingerprint_keys == ["k1"]
+    assert [w.name for w in repo.list_workers(session)] == ["w1"]
+
+    row = session.get(WorkerRow, "w1")
+    row.last_seen -= repo.WORKER_TTL + timedelta(seconds=1)  # a heartbeat that stopped coming
+    session.flush()
+    assert not repo.list_workers(session)[0].alive
+
+    repo.heartbeat_worker(session, name="w1", fingerprint_keys=["k1"], fingerprint=fp)
+    assert repo.list_workers(session)[0].alive
+    stopped = repo.heartbeat_worker(session, name="w1", fingerprint_keys=["k1"], fingerprint=fp,
+                                    stopping=True)
+    assert not stopped.alive
