@@ -1,0 +1,40 @@
+# Two commands do all the set-up on a fresh machine:
+#   make run   — install, then run the main job on the embedded stack (no servers to start)
+#   make test  — install, then run lint, import contracts and the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+
+.PHONY: install run test lint unit integration bench compose-check clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/kiln demo
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+
+test: lint
+	$(BIN)/pytest -q -p no:cacheprovider
+
+bench: install
+	$(BIN)/python bench/submit_to_artifact.py
+	$(BIN)/python bench/agent.py
+	$(BIN)/python bench/retune.py
+	$(BIN)/python bench/custom_ops.py
+
+compose-check:
+	KILN_SECRET_KEY=placeholder POSTGRES_PASSWORD=x MINIO_ROOT_USER=x MINIO_ROOT_PASSWORD=placeholder KILN_AGENT_TOKEN=x \
+	  docker-compose -f docker-compose.yml config --quiet
+
+clean:
+	rm -rf .kiln build *.egg-info
