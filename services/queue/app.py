@@ -12,6 +12,7 @@ from typing import Any
 from celery import Celery
 
 from services.config import KilnSettings, get_settings
+from services.queue.filesystem import TRANSPORT as FILESYSTEM_TRANSPORT
 
 celery_app = Celery("kiln", set_as_current=False)
 
@@ -22,16 +23,18 @@ VISIBILITY_TIMEOUT_S = 6 * 3600
 
 def celery_config(settings: KilnSettings) -> dict[str, Any]:
     broker_options: dict[str, Any] = {}
+    transport: dict[str, Any] = {}
     if settings.broker_url.startswith("filesystem"):
+        # kombu's own filesystem transport loses messages under concurrent use; ours does not.
+        transport = {"broker_transport": FILESYSTEM_TRANSPORT}
         folder = settings.broker_folder
-        for sub in ("queue", "processed", "control"):
+        for sub in ("queue", "processed", "control", "rejected"):
             (folder / sub).mkdir(parents=True, exist_ok=True)
         broker_options = {
             "data_folder_in": str(folder / "queue"),
             "data_folder_out": str(folder / "queue"),
             "processed_folder": str(folder / "processed"),
             "control_folder": str(folder / "control"),
-            "store_processed": False,
             # The transport polls its folder; the default (1 s) would add up to a second
             # to every job on the embedded stack.
             "polling_interval": 0.05,
@@ -40,6 +43,7 @@ def celery_config(settings: KilnSettings) -> dict[str, Any]:
         broker_options = {"visibility_timeout": VISIBILITY_TIMEOUT_S}
     return {
         "broker_url": settings.broker_url,
+        **transport,
         "broker_transport_options": broker_options,
         "broker_connection_retry_on_startup": True,
         # Job state lives in SQL; Celery keeps no results.
