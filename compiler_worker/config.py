@@ -19,6 +19,9 @@ class WorkerSettings(KilnSettings):
     #: Declared hardware (JSON of HardwareFingerprint) instead of detection.
     fingerprint_file: Path | None = None
     worker_concurrency: int = Field(1, ge=1)
+    #: Seconds between heartbeats. The control plane counts a worker lost after three missed
+    #: beats and hands its running job to another worker.
+    worker_heartbeat_s: float = Field(10.0, gt=0)
 
     @property
     def workdir(self) -> Path:

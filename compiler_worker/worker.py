@@ -18,8 +18,6 @@ from services.queue import celery_app, configure_celery, queue_for
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_S = 10.0
-
 
 def fingerprint_keys(fingerprint: HardwareFingerprint) -> list[str]:
     """Every key this machine can build: one per registered backend that supports it."""
@@ -44,6 +42,7 @@ class Heartbeat:
         self.runner = runner
         self.keys = keys
         self.portable = portable_keys(runner.fingerprint)
+        self.interval_s = runner.settings.worker_heartbeat_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kiln-heartbeat", daemon=True)
 
@@ -52,7 +51,7 @@ class Heartbeat:
             repo.heartbeat_worker(
                 session, name=self.runner.settings.worker_name, fingerprint_keys=self.keys,
                 fingerprint=self.runner.fingerprint, portable_keys=self.portable,
-                stopping=stopping,
+                heartbeat_s=self.interval_s, stopping=stopping,
             )
 
     def start(self) -> None:
@@ -67,11 +66,12 @@ class Heartbeat:
             logger.warning("could not record the worker's shutdown", exc_info=True)
 
     def _loop(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+        while not self._stop.wait(self.interval_s):
             try:
                 self.beat()
             except Exception:
-                logger.warning("heartbeat failed; retrying in %ss", HEARTBEAT_S, exc_info=True)
+                logger.warning("heartbeat failed; retrying in %ss", self.interval_s,
+                               exc_info=True)
 
 
 def run_worker(*, concurrency: int | None = None, pool: str = "prefork",

@@ -37,6 +37,8 @@ class ErrorCode(StrEnum):
     STORE_ERROR = "store_error"
     # infrastructure
     QUEUE_UNAVAILABLE = "queue_unavailable"
+    #: The worker building a job stopped heartbeating, as many times as a job may be tried.
+    WORKER_LOST = "worker_lost"
     CONFIG_ERROR = "config_error"
     INTERNAL = "internal"
 
@@ -62,6 +64,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SIGNATURE_INVALID: 502,
     ErrorCode.STORE_ERROR: 503,
     ErrorCode.QUEUE_UNAVAILABLE: 503,
+    ErrorCode.WORKER_LOST: 503,
     ErrorCode.CONFIG_ERROR: 500,
     ErrorCode.INTERNAL: 500,
 }

@@ -48,6 +48,11 @@ class KilnSettings(BaseSettings):
     log_level: str = "INFO"
     #: How often agents are told to heartbeat, seconds.
     agent_heartbeat_s: float = Field(5.0, gt=0)
+    #: How often the API looks for running jobs whose worker stopped heartbeating, seconds
+    #: (0: never). Such a job is queued again, or fails with ``worker_lost`` once it has been
+    #: tried ``max_job_attempts`` times.
+    job_sweep_s: float = Field(10.0, ge=0)
+    max_job_attempts: int = Field(3, ge=1)
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> Self:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from celery import Celery
 from fastapi import FastAPI
@@ -22,6 +24,7 @@ from services.api.routers import (
     plugins,
     workers,
 )
+from services.api.sweeper import JobSweeper
 from services.config import KilnSettings, get_settings
 from services.db import make_engine, make_session_factory, migrate
 from services.queue import configure_celery
@@ -36,10 +39,23 @@ def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = T
         migrate(settings.database_url)
     engine = make_engine(settings.database_url)
 
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sweeper = None
+        if settings.job_sweep_s > 0:
+            sweeper = JobSweeper(app.state.session_factory, app.state.celery,
+                                 interval_s=settings.job_sweep_s,
+                                 max_attempts=settings.max_job_attempts)
+            sweeper.start()
+        yield
+        if sweeper is not None:
+            sweeper.stop()
+
     app = FastAPI(
         title="Kiln",
         version=KILN_VERSION,
         description="Ahead-of-time compile farm and artifact store for ML models.",
+        lifespan=lifespan,
     )
     app.state.settings = settings
     app.state.engine = engine

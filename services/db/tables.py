@@ -128,7 +128,7 @@ class CompileJobRow(Base):
     options: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
     options_digest: Mapped[str] = mapped_column(sa.String(SHA256_LEN), index=True)
     fingerprint_key: Mapped[str] = mapped_column(sa.String(FINGERPRINT_KEY_LEN), index=True)
-    status: Mapped[str] = mapped_column(sa.String(32))
+    status: Mapped[str] = mapped_column(sa.String(32), index=True)
     stage: Mapped[str] = mapped_column(sa.String(32))
     progress: Mapped[float] = mapped_column(sa.Float)
     #: ``ErrorBody.model_dump(mode="json")``; SQL NULL (not JSON null) when there is none.
@@ -159,6 +159,8 @@ class WorkerRow(Base):
     started_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
     stopped: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    #: The worker's heartbeat interval, seconds: it is alive while beats keep to it.
+    heartbeat_s: Mapped[float | None] = mapped_column(sa.Float)
 
 
 class DeploymentRow(Base):

@@ -38,8 +38,29 @@ class RunningStack:
         return self.stack.home
 
 
-def _start(tmp_path: Path, kind: str, overrides: dict[str, str]) -> Iterator[RunningStack]:
-    stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(), overrides=overrides,
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    setattr(item, f"report_{report.when}", report)  # read by the fixtures' teardown
+    return report
+
+
+def dump_logs_if_failed(request: pytest.FixtureRequest, home: Path, tail_bytes: int = 6000) -> None:
+    """Print the tail of every process log of a stack whose test failed: the only record of
+    what a worker or agent was doing when a job did not finish."""
+    report = getattr(request.node, "report_call", None)
+    if report is None or not report.failed:
+        return
+    for log in sorted((home / "logs").glob("*.log")):
+        text = log.read_bytes()[-tail_bytes:].decode(errors="replace")
+        print(f"\n===== {log.name} (last {tail_bytes} bytes) =====\n{text}")
+
+
+def _start(request: pytest.FixtureRequest, tmp_path: Path, kind: str,
+           overrides: dict[str, str]) -> Iterator[RunningStack]:
+    marker = request.node.get_closest_marker("stack_env")
+    stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(),
+                          overrides={**overrides, **(marker.args[0] if marker else {})},
                           worker_args=["--pool", "solo"])
     try:
         stack.start()
@@ -48,13 +69,15 @@ def _start(tmp_path: Path, kind: str, overrides: dict[str, str]) -> Iterator[Run
         running.client.close()
     finally:
         stack.stop()
+        dump_logs_if_failed(request, stack.home)
 
 
 @pytest.fixture(params=["embedded", "redis-postgres-s3"])
 def kiln_stack(request, tmp_path: Path, monkeypatch) -> Iterator[RunningStack]:
+    """The stack as processes; ``@pytest.mark.stack_env({...})`` adds ``KILN_*`` settings."""
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "kiln"))
     if request.param == "embedded":
-        yield from _start(tmp_path, "embedded", {})
+        yield from _start(request, tmp_path, "embedded", {})
         return
     import redis
 
@@ -70,11 +93,11 @@ def kiln_stack(request, tmp_path: Path, monkeypatch) -> Iterator[RunningStack]:
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
     }
-    yield from _start(tmp_path, "redis-postgres-s3", overrides)
+    yield from _start(request, tmp_path, "redis-postgres-s3", overrides)
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[EmbeddedStack]:
+def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[EmbeddedStack]:
     """The embedded stack (API + one worker process) with agents heartbeating twice a second."""
     stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(), worker_args=["--pool", "solo"],
                           overrides={"KILN_AGENT_HEARTBEAT_S": "0.5"})
@@ -83,3 +106,4 @@ def stack(tmp_path: Path) -> Iterator[EmbeddedStack]:
         yield stack
     finally:
         stack.stop()
+        dump_logs_if_failed(request, stack.home)

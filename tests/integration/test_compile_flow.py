@@ -24,7 +24,7 @@ def compile_once(stack, model_bytes: bytes, options: CompileOptions | None = Non
                  on_update=None):
     model = stack.client.upload_model(model_bytes, name="test")
     (job,) = stack.client.create_jobs(model.id, stack.keys[:1], options)
-    return model, stack.client.wait_job(job.id, timeout_s=300, on_update=on_update)
+    return model, stack.client.wait_job(job.id, timeout_s=180, on_update=on_update)
 
 
 def test_submit_compile_verify_publish(kiln_stack, tmp_path: Path):
@@ -145,3 +145,73 @@ def test_cli_submit_wait_jobs_artifacts(kiln_stack, tmp_path: Path):
     assert jobs.returncode == 0 and "succeeded" in jobs.stdout
     bad = run("submit", str(model), "--target", "no-such-key!")
     assert bad.returncode != 0 and "fingerprint_key" in bad.stderr
+
+
+def _slow_model(seed: int = 0):
+    """Two 512×512 MatMuls: a few milliseconds a run, so benchmarking takes seconds."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    rng = np.random.default_rng(seed)
+    weights = [numpy_helper.from_array(rng.standard_normal((512, 512), np.float32) / 23,
+                                       name=f"w{i}") for i in range(2)]
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("MatMul", ["r", "w1"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "slow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [512, 512])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [512, 512])], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _name_arg(argv: list[str]) -> list[str]:
+    i = argv.index("--name") if "--name" in argv else -1
+    return argv[i:i + 2] if i >= 0 else []
+
+
+def _kill_when_benchmarking(stack, job_id: str, attempt: int, timeout_s: float = 120) -> str:
+    """SIGKILL the worker running ``job_id`` once it is benchmarking attempt ``attempt``."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = stack.client.get_job(job_id)
+        assert not job.status.terminal, job
+        if job.attempts == attempt and job.stage.value == "benchmarking":
+            (proc,) = [p for p in stack.stack.processes
+                       if p.poll() is None and ["--name", job.worker] == _name_arg(p.args)]
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            return job.worker
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} never reached benchmarking on attempt {attempt}")
+
+
+@pytest.mark.stack_env({"KILN_WORKER_HEARTBEAT_S": "0.25", "KILN_JOB_SWEEP_S": "0.25",
+                        "KILN_MAX_JOB_ATTEMPTS": "2"})
+def test_a_job_outlives_a_killed_worker_and_fails_typed_when_every_attempt_is(kiln_stack):
+    options = CompileOptions(benchmark_iterations=150, verify_samples=1)
+    model = kiln_stack.client.upload_model(_slow_model().SerializeToString(), name="slow")
+    key = kiln_stack.keys[0]
+
+    # Attempt 1 dies with its worker; the API queues the job again and another worker ends it.
+    (job,) = kiln_stack.client.create_jobs(model.id, [key], options)
+    lost = _kill_when_benchmarking(kiln_stack, job.id, attempt=1)
+    kiln_stack.stack.add_worker("second")
+    done = kiln_stack.client.wait_job(job.id, timeout_s=180)
+    assert done.status is JobStatus.SUCCEEDED, done.error
+    assert done.attempts == 2 and done.worker == "second" and lost == "embedded-0"
+    assert [a.id for a in kiln_stack.client.list_artifacts()] == [done.artifact_id]
+
+    # A job whose every attempt loses its worker fails with a typed reason, not a hang.
+    (doomed,) = kiln_stack.client.create_jobs(model.id, [key], options.model_copy(
+        update={"seed": 1}))
+    _kill_when_benchmarking(kiln_stack, doomed.id, attempt=1)
+    kiln_stack.stack.add_worker("third")
+    _kill_when_benchmarking(kiln_stack, doomed.id, attempt=2)
+    failed = kiln_stack.client.wait_job(doomed.id, timeout_s=60)
+    assert failed.status is JobStatus.FAILED
+    assert failed.error.code == "worker_lost" and failed.attempts == 2
+    assert "benchmarking" in failed.error.message
+    assert [a.id for a in kiln_stack.client.list_artifacts()] == [done.artifact_id]

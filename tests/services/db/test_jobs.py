@@ -266,7 +266,8 @@ def test_worker_heartbeat_alive_and_stopped(session) -> None:
     assert [w.name for w in repo.list_workers(session)] == ["w1"]
 
     row = session.get(WorkerRow, "w1")
-    row.last_seen -= repo.WORKER_TTL + timedelta(seconds=1)  # a heartbeat that stopped coming
+    # A heartbeat that stopped coming.
+    row.last_seen -= repo.worker_ttl(row.heartbeat_s) + timedelta(seconds=1)
     session.flush()
     assert not repo.list_workers(session)[0].alive
 
@@ -275,3 +276,98 @@ def test_worker_heartbeat_alive_and_stopped(session) -> None:
     stopped = repo.heartbeat_worker(session, name="w1", fingerprint_keys=["k1"], fingerprint=fp,
                                     stopping=True)
     assert not stopped.alive
+
+
+# --------------------------------------------------------------------- orphaned jobs
+
+
+def _worker(session: Session, name: str, keys: list[str], *, heartbeat_s: float = 10.0):
+    from schemas import CpuInfo, HardwareFingerprint
+
+    fp = HardwareFingerprint(cpu=CpuInfo(arch="x86_64", features=["avx2"]))
+    return repo.heartbeat_worker(session, name=name, fingerprint_keys=keys, fingerprint=fp,
+                                 heartbeat_s=heartbeat_s)
+
+
+def _silence(session: Session, name: str) -> None:
+    """The worker's heartbeats stop coming (killed, crashed, host gone)."""
+    from datetime import timedelta
+
+    from services.db.tables import WorkerRow
+
+    row = session.get(WorkerRow, name)
+    row.last_seen -= repo.worker_ttl(row.heartbeat_s) + timedelta(seconds=1)
+    session.flush()
+
+
+def test_liveness_follows_each_workers_own_heartbeat(session: Session) -> None:
+    from datetime import timedelta
+
+    from services.db.tables import WorkerRow
+
+    _worker(session, "fast", ["k1"], heartbeat_s=0.5)
+    _worker(session, "slow", ["k1"], heartbeat_s=60)
+    for name in ("fast", "slow"):
+        session.get(WorkerRow, name).last_seen -= timedelta(seconds=20)
+    session.flush()
+    alive = {w.name: w.alive for w in repo.list_workers(session)}
+    assert alive == {"fast": False, "slow": True}  # 20 s: 40 missed beats vs a third of one
+
+
+def test_a_job_on_a_live_worker_is_left_alone(session: Session, model_id: str) -> None:
+    _worker(session, "w1", [FINGERPRINT_KEY])
+    job = _job(session, model_id)
+    repo.start_job(session, job_id=job.id, worker="w1")
+    assert repo.sweep_orphaned_jobs(session, max_attempts=3) == ([], [])
+    assert repo.get_job(session, job_id=job.id).status is JobStatus.RUNNING
+
+
+def test_a_job_whose_worker_died_is_queued_again(session: Session, model_id: str) -> None:
+    _worker(session, "w1", [FINGERPRINT_KEY])
+    _worker(session, "w2", [FINGERPRINT_KEY])
+    job = _job(session, model_id)
+    repo.start_job(session, job_id=job.id, worker="w1")
+    repo.set_job_stage(session, job_id=job.id, stage=JobStage.BUILDING, progress=0.5)
+    _silence(session, "w1")
+
+    requeued, failed = repo.sweep_orphaned_jobs(session, max_attempts=3)
+    assert [j.id for j in requeued] == [job.id] and failed == []
+    again = repo.get_job(session, job_id=job.id)
+    assert (again.status, again.stage, again.progress) == (JobStatus.QUEUED, JobStage.PENDING, 0)
+    assert repo.sweep_orphaned_jobs(session, max_attempts=3) == ([], [])  # once, not per pass
+
+    taken = repo.start_job(session, job_id=job.id, worker="w2")
+    assert taken.attempts == 2 and taken.worker == "w2"
+
+
+def test_with_no_worker_left_for_its_key_the_job_waits_for_hardware(
+    session: Session, model_id: str
+) -> None:
+    _worker(session, "w1", [FINGERPRINT_KEY])
+    job = _job(session, model_id)
+    repo.start_job(session, job_id=job.id, worker="w1")
+    repo.heartbeat_worker(session, name="w1", fingerprint_keys=[FINGERPRINT_KEY],
+                          fingerprint=repo.list_workers(session)[0].fingerprint, stopping=True)
+    (requeued,), _ = repo.sweep_orphaned_jobs(session, max_attempts=3)
+    assert requeued.status is JobStatus.WAITING_FOR_HARDWARE
+    _worker(session, "w3", [FINGERPRINT_KEY])  # a worker for the key comes back
+    assert repo.get_job(session, job_id=job.id).status is JobStatus.QUEUED
+
+
+def test_a_job_that_used_its_attempts_fails_with_worker_lost(
+    session: Session, model_id: str
+) -> None:
+    _worker(session, "w1", [FINGERPRINT_KEY])
+    job = _job(session, model_id)
+    for _ in range(2):
+        repo.start_job(session, job_id=job.id, worker="w1")
+    repo.set_job_stage(session, job_id=job.id, stage=JobStage.VERIFYING, progress=0.8)
+    _silence(session, "w1")
+
+    requeued, (failed,) = repo.sweep_orphaned_jobs(session, max_attempts=2)
+    assert requeued == []
+    assert failed.status is JobStatus.FAILED and failed.finished_at is not None
+    assert failed.error.code is ErrorCode.WORKER_LOST
+    assert "w1" in failed.error.message and "verifying" in failed.error.message
+    assert failed.error.details == {"worker": "w1", "attempts": 2}
+    assert failed.stage is JobStage.VERIFYING  # where it was lost
