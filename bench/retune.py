@@ -1,5 +1,5 @@
 """Retune on a new chip variant, on the embedded stack: a node whose fingerprint key the
-fleet has never seen registers (here: this machine declared as AVX2-only x86-64-v3 through a
+fleet has never seen registers (here: this machine declared one x86-64 level down through a
 fingerprint file), serves a portable fallback at once, and swaps to its own engine once a
 worker of its kind (started with the same declaration) has built it.
 
@@ -30,18 +30,12 @@ from rich.table import Table
 from kiln.examples import mlp
 from kiln.stack import EmbeddedStack
 from runtime_agent.executors import node_fingerprint_keys
-from runtime_agent.fingerprint import detect_fingerprint
-
-WIDE = {"avx512f", "avx512cd", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni",
-        "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"}
+from runtime_agent.fingerprint import detect_fingerprint, isa_class, older_variant
 
 
 def one_run(i: int, tmp: Path) -> tuple[float, float, float]:
-    fp = detect_fingerprint()
-    fp.cpu.features = [f for f in fp.cpu.features if f not in WIDE] + ["avx2", "fma", "f16c",
-                                                                          "bmi1", "bmi2"]
-    fp.source = "declared"
-    fp_file = tmp / "v3.json"
+    fp = older_variant(detect_fingerprint())
+    fp_file = tmp / "variant.json"
     fp_file.write_text(fp.model_dump_json())
     agent_port = free_port()
     stack = EmbeddedStack(home=tmp / "kiln", port=free_port(), worker_args=["--pool", "solo"],
@@ -69,7 +63,7 @@ def one_run(i: int, tmp: Path) -> tuple[float, float, float]:
                 break
             except Exception:
                 time.sleep(0.02)
-        stack.add_worker("worker-v3", "--pool", "solo", "--fingerprint-file", str(fp_file))
+        stack.add_worker("worker-variant", "--pool", "solo", "--fingerprint-file", str(fp_file))
         first_fallback = exact = None
         with httpx.Client(timeout=10) as http:
             deadline = time.monotonic() + 300
@@ -107,7 +101,8 @@ def main() -> None:
     for i in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
             runs.append(one_run(i, Path(tmp)))
-    table = Table(title=f"new chip variant (declared x86-64-v3) joining, {args.repeats} runs, "
+    declared = isa_class(older_variant(detect_fingerprint()).cpu)
+    table = Table(title=f"new chip variant (declared {declared}) joining, {args.repeats} runs, "
                         "median \\[min–max]; heartbeat 0.5 s")
     table.add_column("interval")
     table.add_column("time")

@@ -55,6 +55,10 @@ X86_FEATURES = frozenset({
 _X86_V2 = frozenset({"ssse3", "sse4_1", "sse4_2", "popcnt"})
 _X86_V3 = _X86_V2 | {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2"}
 _X86_V4 = _X86_V3 | {"avx512f", "avx512cd", "avx512dq", "avx512bw", "avx512vl"}
+#: The x86-64 psABI levels, highest first, with the features each requires.
+X86_LEVELS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("x86-64-v4", _X86_V4), ("x86-64-v3", _X86_V3), ("x86-64-v2", _X86_V2),
+)
 
 #: Arm ``Features`` words that decide kernels, mapped to Kiln's names.
 ARM_FEATURES = {
@@ -164,8 +168,7 @@ def isa_class(cpu: CpuInfo) -> str:
     """
     features = {f.lower() for f in cpu.features}
     if cpu.arch == "x86_64":
-        for name, required in (("x86-64-v4", _X86_V4), ("x86-64-v3", _X86_V3),
-                               ("x86-64-v2", _X86_V2)):
+        for name, required in X86_LEVELS:
             if required <= features:
                 return name
         return "x86-64"
@@ -176,6 +179,33 @@ def isa_class(cpu: CpuInfo) -> str:
             return "armv8-dotprod"
         return "armv8"
     return cpu.arch
+
+
+def older_variant(fingerprint: HardwareFingerprint) -> HardwareFingerprint:
+    """The same machine one x86-64 level down, as a node of an older chip variant would
+    detect itself: the features of the level above its class removed, marked ``declared``.
+
+    Used to stand a second chip variant up on one machine (``--fingerprint-file``), for
+    tests, benchmarks and trying out routing. x86_64 only; ``ValueError`` when there is no
+    level below (the machine is already baseline x86-64).
+    """
+    if fingerprint.cpu.arch != "x86_64":
+        raise ValueError(f"older_variant needs an x86_64 fingerprint, not {fingerprint.cpu.arch}")
+    current = isa_class(fingerprint.cpu)
+    levels = dict(X86_LEVELS)
+    names = list(levels)
+    if current not in levels:
+        raise ValueError("this machine is baseline x86-64: there is no older level to declare")
+    i = names.index(current)
+    below = levels[names[i + 1]] if i + 1 < len(names) else frozenset()
+    drop = levels[current] - below
+    if current == "x86-64-v4":  # every AVX-512 extension and AMX goes with the base set
+        drop |= {f for f in fingerprint.cpu.features if f.startswith(("avx512", "amx"))}
+    variant = fingerprint.model_copy(deep=True)
+    variant.cpu.features = [f for f in fingerprint.cpu.features if f.lower() not in drop]
+    variant.cpu.model = f"{fingerprint.cpu.model} (declared {isa_class(variant.cpu)})".strip()
+    variant.source = "declared"
+    return variant
 
 
 def _memory_bytes() -> int:

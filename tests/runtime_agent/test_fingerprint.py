@@ -318,3 +318,40 @@ def test_bad_partial_declaration_is_invalid_request(tmp_path: Path, content: str
         resolve_fingerprint(path)
     with pytest.raises(InvalidRequest, match="cannot read"):
         resolve_fingerprint(tmp_path / "absent.json")
+
+
+def _x86(*features: str) -> HardwareFingerprint:
+    return HardwareFingerprint(cpu=CpuInfo(arch="x86_64", model="Test CPU", features=features))
+
+
+V2 = ("ssse3", "sse4_1", "sse4_2", "popcnt")
+V3 = (*V2, "avx", "avx2", "fma", "f16c", "bmi1", "bmi2")
+V4 = (*V3, "avx512f", "avx512cd", "avx512dq", "avx512bw", "avx512vl")
+
+
+@pytest.mark.parametrize(("features", "expected"), [
+    ((*V4, "avx512_vnni", "avx512_bf16", "amx_tile"), "x86-64-v3"),
+    (V3, "x86-64-v2"),
+    (V2, "x86-64"),
+])
+def test_older_variant_is_one_level_down(features: tuple[str, ...], expected: str) -> None:
+    from runtime_agent.fingerprint import older_variant
+
+    fp = _x86(*features)
+    older = older_variant(fp)
+    assert isa_class(older.cpu) == expected
+    assert not {f for f in older.cpu.features if f.startswith(("avx512", "amx"))}
+    assert set(older.cpu.features) < set(fp.cpu.features)  # only removals
+    assert older.source == "declared" and expected in older.cpu.model
+    assert fp.cpu.features == list(features)  # the original is untouched
+
+
+@pytest.mark.parametrize("fp", [
+    _x86("sse2"),
+    HardwareFingerprint(cpu=CpuInfo(arch="aarch64", features=["neon"])),
+])
+def test_older_variant_refuses_what_has_no_level_below(fp: HardwareFingerprint) -> None:
+    from runtime_agent.fingerprint import older_variant
+
+    with pytest.raises(ValueError):
+        older_variant(fp)
