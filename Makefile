@@ -31,6 +31,7 @@ bench: install
 	$(BIN)/python bench/agent.py
 	$(BIN)/python bench/retune.py
 	$(BIN)/python bench/custom_ops.py
+	$(BIN)/python bench/worker_loss.py
 
 compose-check:
 	KILN_SECRET_KEY=placeholder POSTGRES_PASSWORD=x MINIO_ROOT_USER=x MINIO_ROOT_PASSWORD=placeholder KILN_AGENT_TOKEN=x \
