@@ -482,11 +482,19 @@ def plugins(api_url: ApiUrl = None, token_: Token = None) -> None:
 @app.command()
 def fingerprint(
     fingerprint_file: Annotated[Path | None, typer.Option(exists=True)] = None,
+    older_variant: Annotated[bool, typer.Option(
+        "--older-variant", help="print this machine one x86-64 level down, declared: a file "
+        "for --fingerprint-file that stands a second chip variant up on this machine")] = False,
 ) -> None:
     """Print this machine's hardware fingerprint as JSON."""
-    from runtime_agent.fingerprint import resolve_fingerprint
+    from runtime_agent import fingerprint as fingerprints
 
-    fp = resolve_fingerprint(fingerprint_file)
+    fp = fingerprints.resolve_fingerprint(fingerprint_file)
+    if older_variant:
+        try:
+            fp = fingerprints.older_variant(fp)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--older-variant") from exc
     console.print_json(fp.model_dump_json())
 
 

@@ -50,3 +50,27 @@ def test_agent_refuses_to_start_without_a_trusted_key(tmp_path: Path,
                                  "--labels", "zone=a"])
     assert isinstance(result.exception, ConfigError)
     assert "no trusted key is configured" in result.exception.message
+
+
+def test_fingerprint_older_variant_declares_one_level_down(tmp_path: Path) -> None:
+    import json
+
+    from runtime_agent.fingerprint import isa_class
+    from schemas.fingerprint import HardwareFingerprint
+
+    declared = tmp_path / "v4.json"
+    declared.write_text(json.dumps({"cpu": {"arch": "x86_64", "features": [
+        "ssse3", "sse4_1", "sse4_2", "popcnt", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2",
+        "avx512f", "avx512cd", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"]}}))
+    wide = CliRunner(env={"COLUMNS": "300"})
+    result = wide.invoke(app, ["fingerprint", "--fingerprint-file", str(declared),
+                               "--older-variant"])
+    assert result.exit_code == 0, result.output
+    variant = HardwareFingerprint.model_validate_json(result.output)
+    assert isa_class(variant.cpu) == "x86-64-v3" and variant.source == "declared"
+
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps({"cpu": {"arch": "x86_64", "features": []}}))
+    refused = wide.invoke(app, ["fingerprint", "--fingerprint-file", str(baseline),
+                                "--older-variant"])
+    assert refused.exit_code == 2 and "baseline x86-64" in refused.output
