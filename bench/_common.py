@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import statistics
 import sys
@@ -49,6 +50,7 @@ def production_overrides() -> tuple[dict[str, str], list[Callable[[], None]]]:
     import sqlalchemy as sa
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
     cleanups: list[Callable[[], None]] = []
     port = free_port()
     s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
