@@ -34,7 +34,7 @@ bench: install
 	$(BIN)/python bench/worker_loss.py
 
 compose-check:
-	KILN_SECRET_KEY=placeholder POSTGRES_PASSWORD=x MINIO_ROOT_USER=x MINIO_ROOT_PASSWORD=placeholder KILN_AGENT_TOKEN=x \
+	KILN_SECRET_KEY=placeholder POSTGRES_PASSWORD=x MINIO_ROOT_USER=x MINIO_ROOT_PASSWORD=placeholder KILN_AGENT_TOKEN=x KILN_AGENT_SERVE_TOKEN=x \
 	  docker-compose -f docker-compose.yml config --quiet
 
 clean:

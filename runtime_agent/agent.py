@@ -21,6 +21,7 @@ serves even while the control plane is unreachable.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
 import threading
@@ -66,6 +67,13 @@ logger = logging.getLogger(__name__)
 MAX_RETRY_S = 300.0
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 @dataclass
 class _Progress:
     """Where one deployment stands, as the next heartbeat reports it."""
@@ -97,7 +105,11 @@ class Agent:
         self.fingerprint = fingerprint
         self.fingerprint_keys = node_fingerprint_keys(fingerprint)
         self.models = ModelTable()
-        self.app = create_app(self.models, max_body_bytes=settings.max_body_bytes)
+        token = settings.serve_token.get_secret_value() if settings.serve_token else None
+        if token is None and settings.serve_port and not _loopback(settings.serve_host):
+            logger.warning("the inference server listens on %s without a token; set "
+                           "KILN_AGENT_SERVE_TOKEN", settings.serve_host)
+        self.app = create_app(self.models, max_body_bytes=settings.max_body_bytes, token=token)
         self.cache = ArtifactCache(settings.cache_dir, settings.cache_max_bytes)
         self.control = ControlPlane(settings.api_url, settings.token,
                                     timeout_s=settings.request_timeout_s)

@@ -13,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from artifact_store.signing import Verifier, load_verifier
@@ -80,6 +80,9 @@ class AgentSettings(BaseSettings):
     serve_port: int = Field(8100, ge=0, le=65535)
     #: The URL reported to the control plane; default ``http://<serve_host>:<serve_port>``.
     advertise_url: str | None = None
+    #: When set, every inference-server route but ``/healthz`` needs
+    #: ``Authorization: Bearer <token>``. Set it whenever ``serve_host`` is not loopback.
+    serve_token: SecretStr | None = None
     #: A declared ``HardwareFingerprint`` (JSON) instead of detection.
     fingerprint_file: Path | None = None
     #: Ed25519 public keys (PEM files); a manifest no trusted key signed is never loaded.

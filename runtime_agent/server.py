@@ -18,6 +18,7 @@ says what was expected, and the server keeps serving.
 
 from __future__ import annotations
 
+import hmac
 import io
 import json
 import logging
@@ -161,8 +162,10 @@ def _json_response(content: Any, status: int = 200, headers: dict[str, str] | No
     return Response(body, status_code=status, media_type=JSON, headers=headers)
 
 
-def _error_response(status: int, body: ErrorBody) -> JSONResponse:
-    return JSONResponse(status_code=status, content=body.model_dump(mode="json"))
+def _error_response(status: int, body: ErrorBody,
+                    headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=body.model_dump(mode="json"),
+                        headers=headers)
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:
@@ -222,11 +225,28 @@ def create_app(
     *,
     max_body_bytes: int = 64 * 1024 * 1024,
     registry: CollectorRegistry | None = None,
+    token: str | None = None,
 ) -> FastAPI:
-    """The inference app over the models in ``table``."""
+    """The inference app over the models in ``table``. With ``token``, every route but
+    ``/healthz`` needs ``Authorization: Bearer <token>`` (401 otherwise)."""
     app = FastAPI(title="Kiln agent", summary="Inference on the engines this agent serves")
     metrics = Metrics(table, registry)
     app.state.metrics = metrics
+
+    if token:
+        expected = f"Bearer {token}".encode()
+
+        @app.middleware("http")
+        async def _require_token(request: Request, call_next):
+            if request.url.path != "/healthz":
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    body = ErrorBody(
+                        code=ErrorCode.UNAUTHENTICATED,
+                        message="this agent's inference server needs 'Authorization: Bearer "
+                                "<token>' (the agent's KILN_AGENT_SERVE_TOKEN)")
+                    return _error_response(401, body, {"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
 
     @app.exception_handler(KilnError)
     async def _kiln_error(request: Request, exc: KilnError):

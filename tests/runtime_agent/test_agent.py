@@ -165,3 +165,18 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         parse_labels("zone")
     with pytest.raises(ConfigError, match="label key"):
         parse_labels("bad key=1")
+
+
+def test_the_serve_token_reaches_the_inference_server(settings: AgentSettings, caplog) -> None:
+    from fastapi.testclient import TestClient
+    from pydantic import SecretStr
+
+    guarded = Agent(settings.model_copy(update={"serve_token": SecretStr("t0ken")}))
+    client = TestClient(guarded.app)
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer t0ken"}).status_code == 200
+
+    assert "without a token" not in caplog.text
+    Agent(settings.model_copy(update={"serve_host": "0.0.0.0",
+                                      "cache_dir": settings.cache_dir.with_name("other")}))
+    assert "without a token" in caplog.text

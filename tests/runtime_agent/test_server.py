@@ -209,3 +209,21 @@ def test_a_streamed_body_over_the_limit_is_413(client) -> None:
                            headers={"Content-Type": "application/json"})
     assert response.status_code == 413
     assert response.json()["details"] == {"limit_bytes": LIMIT}
+
+
+def test_a_token_guards_every_route_but_healthz(table) -> None:
+    guarded = TestClient(create_app(table, max_body_bytes=LIMIT, registry=None, token="s3cret"))
+    assert guarded.get("/healthz").status_code == 200  # probes need no token
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        for method, path in (("post", "/v1/models/mlp/infer"), ("get", "/v1/models"),
+                             ("get", "/metrics")):
+            response = getattr(guarded, method)(path, headers=headers,
+                                                **({"json": {"inputs": {"x": X.tolist()}}}
+                                                   if method == "post" else {}))
+            assert response.status_code == 401, (path, headers)
+            assert response.json()["code"] == "unauthenticated"
+            assert response.headers["www-authenticate"] == "Bearer"
+    ok = guarded.post("/v1/models/mlp/infer", json={"inputs": {"x": X.tolist()}},
+                      headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200, ok.text
+    assert guarded.get("/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
