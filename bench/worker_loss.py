@@ -2,7 +2,7 @@
 and queues the job again, and how long until another worker has finished it, against the
 clean build time of the same job measured in the same run.
 
-Each run submits a job whose benchmark stage takes seconds (two 512×512 MatMuls), SIGKILLs
+Each run submits a job whose benchmark stage takes seconds (two 512×512 Gemms), SIGKILLs
 its worker once it is benchmarking, and starts a second worker at once. The detection bound
 is ``3 × heartbeat + 2 s + sweep interval``; without the sweep the job would stay ``running``
 until the broker gave the task back (Redis: the six-hour visibility timeout; the embedded
@@ -22,24 +22,11 @@ from pathlib import Path
 
 import numpy as np
 from _common import console, fmt, free_port
-from onnx import TensorProto, helper, numpy_helper
 from rich.table import Table
 
+from kiln.examples import mlp
 from kiln.stack import EmbeddedStack
 from schemas import CompileOptions, JobStatus
-
-
-def slow_model(seed: int):
-    rng = np.random.default_rng(seed)
-    weights = [numpy_helper.from_array(rng.standard_normal((512, 512), np.float32) / 23,
-                                       name=f"w{i}") for i in range(2)]
-    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h"]),
-             helper.make_node("Relu", ["h"], ["r"]),
-             helper.make_node("MatMul", ["r", "w1"], ["y"])]
-    graph = helper.make_graph(
-        nodes, "slow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [512, 512])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [512, 512])], weights)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def one_run(i: int, tmp: Path, heartbeat: float, sweep: float) -> tuple[float, float, float]:
@@ -51,7 +38,9 @@ def one_run(i: int, tmp: Path, heartbeat: float, sweep: float) -> tuple[float, f
         client = stack.client()
         while not (keys := client.live_fingerprint_keys()):
             time.sleep(0.1)
-        model = client.upload_model(slow_model(i).SerializeToString())
+        # 512×512 by 512×512 twice: benchmarking takes seconds.
+        slow = mlp(in_features=512, hidden=512, out_features=512, batch=512, seed=i)
+        model = client.upload_model(slow.SerializeToString())
         (job,) = client.create_jobs(model.id, keys[:1],
                                     CompileOptions(benchmark_iterations=150, verify_samples=1))
         while (job := client.get_job(job.id)).stage.value != "benchmarking":

@@ -148,19 +148,8 @@ def test_cli_submit_wait_jobs_artifacts(kiln_stack, tmp_path: Path):
 
 
 def _slow_model(seed: int = 0):
-    """Two 512×512 MatMuls: a few milliseconds a run, so benchmarking takes seconds."""
-    import numpy as np
-    from onnx import numpy_helper
-
-    rng = np.random.default_rng(seed)
-    weights = [numpy_helper.from_array(rng.standard_normal((512, 512), np.float32) / 23,
-                                       name=f"w{i}") for i in range(2)]
-    nodes = [helper.make_node("MatMul", ["x", "w0"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
-             helper.make_node("MatMul", ["r", "w1"], ["y"])]
-    graph = helper.make_graph(
-        nodes, "slow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [512, 512])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [512, 512])], weights)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    """512×512 by 512×512 twice: a few milliseconds a run, so benchmarking takes seconds."""
+    return mlp(in_features=512, hidden=512, out_features=512, batch=512, seed=seed)
 
 
 def _name_arg(argv: list[str]) -> list[str]:
