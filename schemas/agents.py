@@ -92,7 +92,8 @@ class DesiredModel(BaseModel):
     #: ``exact`` (built for this node's key), ``compatible`` (same model and options, built
     #: elsewhere, and its compatibility key is one this node has), ``fallback`` (a portable
     #: engine of the same model built with other options), or ``none`` (nothing runs here
-    #: yet). Below ``exact``, ``job_id`` names the build of the exact engine.
+    #: yet). Below ``exact``, ``job_id`` names the build of the exact engine; at ``exact``,
+    #: the build of its successor when a plugin it uses has a newer version.
     tier: str = "none"
     #: The compile job building this node's engine, when one is in flight.
     job_id: str | None = None

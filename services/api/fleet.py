@@ -1,7 +1,8 @@
 """What each agent should run: deployments matched to agents, artifacts resolved by tier for
 the agent's hardware, and builds queued for what is missing.
 
-Tiers, best first: ``exact`` (built for the node's fingerprint key) → ``compatible`` (same
+Tiers, best first: ``exact`` (built for the node's fingerprint key; rebuilt, while it keeps
+serving, when a plugin it was built with has a newer version) → ``compatible`` (same
 model and options, built elsewhere, carrying a compatibility key the node has) → ``fallback``
 (a portable engine of the same model built with other options) → ``none``. Below ``exact``
 the node's own engine is queued, and a portable build too when there is nothing to serve
@@ -11,6 +12,7 @@ meanwhile; the agent moves to the better engine when it lands.
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 
 from celery import Celery
 from sqlalchemy.orm import Session
@@ -61,12 +63,14 @@ class Planner:
             self._served = repo.live_worker_keys(self.session)
         return self._served
 
-    def build(self, model_id: str, options: CompileOptions, key: str) -> CompileJob:
-        """The newest job for this cache key, or a new one. A failed build is not retried on
-        every heartbeat: its job (and error) is reported instead."""
+    def build(self, model_id: str, options: CompileOptions, key: str, *,
+              newer_than: datetime | None = None) -> CompileJob:
+        """The newest job for this cache key (created after ``newer_than`` when given), or a
+        new one. A failed build is not retried on every heartbeat: its job (and error) is
+        reported instead."""
         job = repo.latest_job(self.session, model_id=model_id, options_digest=options.digest(),
                               fingerprint_key=key)
-        if job is not None:
+        if job is not None and (newer_than is None or job.created_at > newer_than):
             return job
         job = repo.create_job(self.session, model_id=model_id, options=options,
                               fingerprint_key=key)
@@ -106,7 +110,13 @@ class Planner:
         exact = repo.find_artifact(self.session, model_id=model_id, options_digest=digest,
                                    fingerprint_key=key)
         if exact is not None:
-            return desired.model_copy(update={"artifact_id": exact.id, "tier": "exact"})
+            desired = desired.model_copy(update={"artifact_id": exact.id, "tier": "exact"})
+            if not repo.plugins_current(self.session, artifact_id=exact.id):
+                # A newer version of a plugin it was built with is registered: the node keeps
+                # this engine while its successor builds, and swaps when that one lands.
+                job = self.build(model_id, deployment.options, key, newer_than=exact.created_at)
+                desired = desired.model_copy(update={"job_id": job.id})
+            return desired
 
         job = self.build(model_id, deployment.options, key)
         desired = desired.model_copy(update={"job_id": job.id})

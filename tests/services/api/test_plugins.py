@@ -122,3 +122,45 @@ def test_a_newer_plugin_version_is_no_cache_hit_for_old_artifacts(api, settings,
     push(api, make_bundle(tmp_path, {**MANIFEST, "version": "1.1.0"}, name="v2").read_bytes())
     again = job()
     assert not again["cache_hit"] and again["status"] == "waiting_for_hardware"
+
+
+def test_a_newer_plugin_version_rebuilds_deployed_engines_while_the_old_one_serves(
+        api, settings, tmp_path):
+    from kiln.examples import mlp
+    from schemas.plugins import PluginRef
+    from services.db import make_engine, make_session_factory, repo, session_scope
+    from tests.services.api.test_api import upload
+    from tests.services.api.test_fleet import KEY, deploy, register
+    from tests.services.db.helpers import manifest
+
+    first = push(api, make_bundle(tmp_path).read_bytes()).json()
+    model_id = upload(api, mlp().SerializeToString()).json()["id"]
+    factory = make_session_factory(make_engine(settings.database_url))
+
+    def record(plugin: dict, toolchain: str) -> str:
+        built = manifest(model_id, fingerprint_key=KEY, toolchain=toolchain).model_copy(
+            update={"plugins": [PluginRef(name="swish", version=plugin["version"],
+                                          digest=plugin["digest"])]})
+        with session_scope(factory) as session:
+            return repo.record_artifact(session, model_id=model_id, manifest=built)[0].id
+
+    def desired() -> dict:
+        (model,) = api.post("/v1/agents/node/heartbeat", json={"models": []}).json()["models"]
+        return model
+
+    old = record(first, "ort+swish-1.0.0")
+    register(api, "node", {"site": "a"})
+    assert deploy(api, "svc", model_id, {"site": "a"}).status_code == 201
+    assert (desired()["artifact_id"], desired()["tier"], desired()["job_id"]) == (old, "exact",
+                                                                                  None)
+
+    newer = push(api, make_bundle(tmp_path, {**MANIFEST, "version": "1.1.0"},
+                                  name="v2").read_bytes()).json()
+    now = desired()
+    assert (now["artifact_id"], now["tier"]) == (old, "exact")  # keeps serving meanwhile
+    rebuild = api.get(f"/v1/compile-jobs/{now['job_id']}").json()
+    assert rebuild["fingerprint_key"] == KEY and rebuild["status"] == "waiting_for_hardware"
+    assert desired()["job_id"] == now["job_id"]  # one rebuild, not one per heartbeat
+
+    new = record(newer, "ort+swish-1.1.0")
+    assert (desired()["artifact_id"], desired()["job_id"]) == (new, None)
