@@ -177,7 +177,7 @@ def _kill_when_benchmarking(stack, job_id: str, attempt: int, timeout_s: float =
     raise AssertionError(f"job {job_id} never reached benchmarking on attempt {attempt}")
 
 
-@pytest.mark.stack_env({"KILN_WORKER_HEARTBEAT_S": "0.25", "KILN_JOB_SWEEP_S": "0.25",
+@pytest.mark.stack_env({"KILN_WORKER_HEARTBEAT_S": "0.5", "KILN_JOB_SWEEP_S": "0.25",
                         "KILN_MAX_JOB_ATTEMPTS": "2"})
 def test_a_job_outlives_a_killed_worker_and_fails_typed_when_every_attempt_is(kiln_stack):
     options = CompileOptions(benchmark_iterations=150, verify_samples=1)
