@@ -199,7 +199,10 @@ def up(
     try:
         while all(p.poll() is None for p in stack.processes):
             time.sleep(0.5)
-        err.print("[red]a service exited; stopping[/]")
+        for proc in stack.processes:
+            if proc.returncode is not None:
+                err.print(f"[red]{stack.describe(proc)} exited with {proc.returncode}; "
+                          f"stopping the stack (logs: {stack.home / 'logs'})[/]")
     except KeyboardInterrupt:
         pass
     finally:

@@ -133,13 +133,20 @@ class EmbeddedStack:
             return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
 
+    @staticmethod
+    def describe(proc: subprocess.Popen) -> str:
+        """``kiln worker embedded-0``-style name of one of the stack's processes."""
+        argv = list(proc.args)
+        name = argv[argv.index("--name") + 1] if "--name" in argv else ""
+        return f"kiln {argv[3]} {name}".strip()
+
     def wait_healthy(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for proc in self.processes:
                 if proc.poll() is not None:
                     raise RuntimeError(
-                        f"{' '.join(proc.args[2:4])} exited with {proc.returncode}; "
+                        f"{self.describe(proc)} exited with {proc.returncode}; "
                         f"see {self.home / 'logs'}"
                     )
             try:
