@@ -20,9 +20,8 @@ from sqlalchemy.orm import Session
 from schemas import CompileJob, CompileOptions, JobStatus
 from schemas.agents import AgentInfo, DesiredModel, DesiredState
 from schemas.deployments import Deployment
-from schemas.errors import QueueUnavailable
+from services.api.enqueue import enqueue_jobs
 from services.db import repo
-from services.queue import enqueue_compile
 
 logger = logging.getLogger(__name__)
 
@@ -132,13 +131,7 @@ class Planner:
 
     def commit(self) -> None:
         self.session.commit()
-        for job in self.to_enqueue:
-            try:
-                enqueue_compile(self.queue, job_id=job.id, fingerprint_key=job.fingerprint_key)
-            except QueueUnavailable as exc:
-                logger.error("%s", exc.message)
-                repo.fail_job(self.session, job_id=job.id, error=exc.to_body())
-                self.session.commit()
+        enqueue_jobs(self.session, self.queue, self.to_enqueue)
         self.to_enqueue.clear()
 
 

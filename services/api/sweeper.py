@@ -17,9 +17,8 @@ import threading
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
-from schemas.errors import QueueUnavailable
+from services.api.enqueue import enqueue_jobs
 from services.db import repo, session_scope
-from services.queue import enqueue_compile
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +37,8 @@ class JobSweeper:
         """One pass; returns (jobs queued again, jobs failed with ``worker_lost``)."""
         with session_scope(self.sessions) as session:
             requeued, failed = repo.sweep_orphaned_jobs(session, max_attempts=self.max_attempts)
-        for job in requeued:  # committed first: a worker may pick the task up at once
-            try:
-                enqueue_compile(self.queue, job_id=job.id, fingerprint_key=job.fingerprint_key)
-            except QueueUnavailable as exc:
-                with session_scope(self.sessions) as session:
-                    repo.fail_job(session, job_id=job.id, error=exc.to_body())
+            session.commit()
+            enqueue_jobs(session, self.queue, requeued)
         return len(requeued), len(failed)
 
     def start(self) -> None:

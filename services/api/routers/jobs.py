@@ -7,11 +7,10 @@ import logging
 from fastapi import APIRouter, status
 
 from schemas import CompileJob, CompileJobCreate, JobStatus
-from schemas.errors import KilnError, QueueUnavailable
 from schemas.jobs import CompileJobBatch
 from services.api.deps import AdminPrincipal, Limit, QueueDep, ReaderPrincipal, SessionDep
+from services.api.enqueue import enqueue_jobs
 from services.db import repo
-from services.queue import enqueue_compile
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"])
@@ -50,15 +49,7 @@ def create_compile_jobs(
         jobs.append(job)
         to_enqueue.append(job)
     session.commit()  # the rows exist before any worker can pick a task up
-
-    failure: KilnError | None = None
-    for job in to_enqueue:
-        try:
-            enqueue_compile(queue, job_id=job.id, fingerprint_key=job.fingerprint_key)
-        except QueueUnavailable as exc:
-            repo.fail_job(session, job_id=job.id, error=exc.to_body())
-            session.commit()
-            failure = exc
+    failure = enqueue_jobs(session, queue, to_enqueue)
     if failure is not None:
         raise failure
     return CompileJobBatch(jobs=[repo.get_job(session, job_id=j.id) for j in jobs])
