@@ -217,14 +217,18 @@ class _Importer:
         self._before = {n for n in sys.modules if n == package or n.startswith(package + ".")}
         existing = sys.modules.get(package)
         if existing is None:
-            spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
-            spec.submodule_search_locations = [str(directory)]
-            module = importlib.util.module_from_spec(spec)
-            module.__path__ = [str(directory)]
-            sys.modules[package] = module
-            self.added.append(package)
+            self._add_package(package, directory)
         else:  # same digest loaded before: same code; new files location for lazy imports
             existing.__path__[:] = [str(directory)]
+
+    def _add_package(self, name: str, folder: Path) -> None:
+        """An empty package ``name`` whose submodules are found in ``folder``."""
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = [str(folder)]
+        package = importlib.util.module_from_spec(spec)
+        package.__path__ = [str(folder)]
+        sys.modules[name] = package
+        self.added.append(name)
 
     def module(self, name: str) -> types.ModuleType:
         full = f"{self.package}.{name}"
@@ -234,13 +238,7 @@ class _Importer:
         for depth in range(1, len(parts)):  # folders of a dotted module become packages
             sub = f"{self.package}.{'.'.join(parts[:depth])}"
             if sub not in sys.modules:
-                folder = self.directory.joinpath(*parts[:depth])
-                spec = importlib.machinery.ModuleSpec(sub, None, is_package=True)
-                spec.submodule_search_locations = [str(folder)]
-                package = importlib.util.module_from_spec(spec)
-                package.__path__ = [str(folder)]
-                sys.modules[sub] = package
-                self.added.append(sub)
+                self._add_package(sub, self.directory.joinpath(*parts[:depth]))
         relative = "/".join(parts) + ".py"
         path = _confined(self.directory, relative, self.manifest)
         if relative not in {f.path for f in self.manifest.files}:
