@@ -451,6 +451,17 @@ def _compile(
     return CompileResult(manifest=manifest, blob_paths=blob_paths, plugin_paths=used.paths)
 
 
+def _copy_checked(source: Path, destination: Path, sha256: str, size: int | None = None, *,
+                  what: str) -> None:
+    """Copy ``source``; ``IntegrityError`` unless the copy has this sha256 (and size)."""
+    shutil.copyfile(source, destination)
+    got_size, digest = destination.stat().st_size, sha256_file(destination)[0]
+    if digest != sha256 or (size is not None and got_size != size):
+        expected = f"{size} bytes and sha256 {sha256}" if size is not None else f"sha256 {sha256}"
+        raise IntegrityError(f"{what} has {got_size} bytes and sha256 {digest}; the manifest "
+                             f"lists {expected}")
+
+
 def write_artifact_dir(
     result: CompileResult, out_dir: Path, manifest: ArtifactManifest | None = None
 ) -> Path:
@@ -481,14 +492,8 @@ def write_artifact_dir(
                     f"the manifest lists blob {ref.name!r}; the result has "
                     f"{sorted(result.blob_paths)}"
                 )
-            destination = staging / blob_filename(ref)
-            shutil.copyfile(source, destination)
-            size, digest = destination.stat().st_size, sha256_file(destination)[0]
-            if size != ref.size or digest != ref.sha256:
-                raise IntegrityError(
-                    f"blob {ref.name!r} ({source}) has {size} bytes and sha256 {digest}; the "
-                    f"manifest lists {ref.size} bytes and sha256 {ref.sha256}"
-                )
+            _copy_checked(source, staging / blob_filename(ref), ref.sha256, ref.size,
+                          what=f"blob {ref.name!r} ({source})")
         for plugin in manifest.plugins:
             source = result.plugin_paths.get(plugin.digest)
             if source is None:
@@ -496,15 +501,10 @@ def write_artifact_dir(
                     f"the manifest names plugin {plugin.name} {plugin.version} "
                     f"({plugin.digest}); the result has no bundle for it"
                 )
-            destination = staging / PLUGINS_DIRNAME / f"{plugin.digest}.tar"
-            destination.parent.mkdir(exist_ok=True)
-            shutil.copyfile(source, destination)
-            digest = sha256_file(destination)[0]
-            if digest != plugin.digest:
-                raise IntegrityError(
-                    f"plugin bundle {source} has sha256 {digest}; the manifest names "
-                    f"{plugin.name} {plugin.version} with {plugin.digest}"
-                )
+            (staging / PLUGINS_DIRNAME).mkdir(exist_ok=True)
+            _copy_checked(source, staging / PLUGINS_DIRNAME / f"{plugin.digest}.tar",
+                          plugin.digest, what=f"plugin bundle {source} "
+                                              f"({plugin.name} {plugin.version})")
         (staging / MANIFEST_FILENAME).write_text(manifest.model_dump_json(indent=2) + "\n")
         staging.chmod(0o755)
         os.rename(staging, out_dir)
