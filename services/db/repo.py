@@ -28,7 +28,7 @@ from schemas.jobs import CompileJob, JobStage, JobStatus
 from schemas.manifest import ArtifactManifest, ArtifactSummary, TensorSpec
 from schemas.models import ModelInfo
 from schemas.options import CompileOptions
-from schemas.plugins import PluginInfo, PluginManifest
+from schemas.plugins import PluginInfo, PluginManifest, PluginRef
 from schemas.workers import WorkerInfo
 from services.db.tables import (
     AgentRow,
@@ -935,8 +935,10 @@ def list_plugins(session: Session) -> list[PluginInfo]:
 def plugins_current(session: Session, *, artifact_id: str) -> bool:
     """Whether every plugin the artifact was built with is still the newest one providing its
     ops (a newer plugin version makes the artifact stale for new compile requests)."""
-    manifest = get_manifest(session, artifact_id=artifact_id)
-    for ref in manifest.plugins:
+    # Asked for every deployment on every agent heartbeat: read the recorded refs only,
+    # without validating the whole manifest.
+    refs = _require_artifact(session, artifact_id).manifest.get("plugins") or []
+    for ref in map(PluginRef.model_validate, refs):
         row = session.get(PluginRow, ref.digest)
         if row is None:
             return False
