@@ -27,6 +27,8 @@ class ErrorCode(StrEnum):
     UNSUPPORTED_OPSET = "unsupported_opset"
     BUILD_FAILED = "build_failed"
     VERIFICATION_FAILED = "verification_failed"
+    ACCURACY_GATE_FAILED = "accuracy_gate_failed"
+    NO_VIABLE_CANDIDATE = "no_viable_candidate"
     BACKEND_UNAVAILABLE = "backend_unavailable"
     FINGERPRINT_MISMATCH = "fingerprint_mismatch"
     UNKNOWN_OPERATOR = "unknown_operator"
@@ -56,6 +58,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNSUPPORTED_OPSET: 422,
     ErrorCode.BUILD_FAILED: 422,
     ErrorCode.VERIFICATION_FAILED: 422,
+    ErrorCode.ACCURACY_GATE_FAILED: 422,
+    ErrorCode.NO_VIABLE_CANDIDATE: 422,
     ErrorCode.BACKEND_UNAVAILABLE: 422,
     ErrorCode.FINGERPRINT_MISMATCH: 409,
     ErrorCode.UNKNOWN_OPERATOR: 422,
@@ -152,6 +156,19 @@ class UnsupportedOpset(CompileError):
 
 class VerificationFailed(CompileError):
     code = ErrorCode.VERIFICATION_FAILED
+
+
+class AccuracyGateFailed(CompileError):
+    """No reduced-precision candidate met the accuracy gate the options asked for; the details
+    carry the best figure reached."""
+
+    code = ErrorCode.ACCURACY_GATE_FAILED
+
+
+class NoViableCandidate(CompileError):
+    """Every candidate engine failed to build or to verify; the details list each and why."""
+
+    code = ErrorCode.NO_VIABLE_CANDIDATE
 
 
 class BackendUnavailable(CompileError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -28,14 +30,10 @@ class AcceleratorInfo(BaseModel):
     driver: str = ""
 
 
-class RuntimeVersions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    onnxruntime: str | None = None
-    onnx: str | None = None
-    tensorrt: str | None = None
-    cuda: str | None = None
-    kiln: str | None = None
+#: Installed toolchain versions by name: every backend's runtime (each executor names its own and
+#: probes its version), plus ``onnx``, ``cuda`` (the driver's CUDA version) and ``kiln``. A
+#: declared fingerprint overrides one entry with ``{"runtimes": {"<name>": "<version>"}}``.
+RuntimeVersions = dict[Annotated[str, Field(pattern=r"^[a-z][a-z0-9_.-]{0,63}$")], str | None]
 
 
 class HardwareFingerprint(BaseModel):
@@ -46,6 +44,6 @@ class HardwareFingerprint(BaseModel):
     os: str = ""
     cpu: CpuInfo
     accelerators: list[AcceleratorInfo] = Field(default_factory=list)
-    runtimes: RuntimeVersions = Field(default_factory=RuntimeVersions)
+    runtimes: RuntimeVersions = Field(default_factory=dict)
     #: Set when the fingerprint was declared or simulated instead of detected.
     source: str = "detected"

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas._canonical import canonical_json
 from schemas.fingerprint import HardwareFingerprint
 from schemas.options import CompileOptions
+from schemas.tuning import TuningTable
 from schemas.plugins import PluginRef
 
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
@@ -97,6 +98,13 @@ class ArtifactManifest(BaseModel):
     passes: list[str] = Field(default_factory=list)
     verification: VerificationResult
     benchmark: BenchmarkResult
+    #: What verification and benchmarking fed: ``dataset:<id>``, or ``generated`` with the rule
+    #: applied per input (e.g. integer indices kept inside the table they gather from).
+    inputs_source: str = "generated"
+    #: The precision the winning engine computes in (``fp32``, ``int8-static-qdq``, ...).
+    precision: str = "fp32"
+    #: Every candidate the tuner built, verified and measured, and which won.
+    tuning: TuningTable | None = None
     created_at: datetime
     signature: ManifestSignature | None = None
 
