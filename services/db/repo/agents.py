@@ -1,0 +1,91 @@
+"""Runtime agents: registration, heartbeats, and the fingerprint keys they report."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from schemas.agents import AgentInfo, AgentRegistration, ModelStatus
+from schemas.errors import NotFound
+from schemas.fingerprint import HardwareFingerprint
+from services.db.repo._common import _insert
+from services.db.tables import AgentRow, utcnow
+
+#: An agent whose last heartbeat is older than this is not alive.
+AGENT_TTL = timedelta(seconds=60)
+
+
+def _agent(row: AgentRow) -> AgentInfo:
+    return AgentInfo(
+        name=row.name,
+        labels=dict(row.labels),
+        fingerprint=HardwareFingerprint.model_validate(row.fingerprint),
+        fingerprint_keys=dict(row.fingerprint_keys),
+        compatibility_keys={k: list(v) for k, v in (row.compatibility_keys or {}).items()},
+        serve_url=row.serve_url,
+        registered_at=row.registered_at,
+        last_seen=row.last_seen,
+        alive=utcnow() - row.last_seen < AGENT_TTL,
+        models=[ModelStatus.model_validate(m) for m in row.models],
+    )
+
+
+def register_agent(session: Session, *, registration: AgentRegistration) -> tuple[AgentInfo, bool]:
+    """Record (or refresh, after a restart) an agent. Returns (agent, first time seen)."""
+    now = utcnow()
+    row = session.get(AgentRow, registration.name, with_for_update=True)
+    fingerprint = registration.fingerprint.model_dump(mode="json")
+    if row is None:
+        row, created = _insert(
+            session,
+            AgentRow(name=registration.name, labels=dict(registration.labels),
+                     fingerprint=fingerprint, fingerprint_keys=dict(registration.fingerprint_keys),
+                     compatibility_keys=dict(registration.compatibility_keys),
+                     serve_url=registration.serve_url, models=[], registered_at=now,
+                     last_seen=now),
+            lambda: session.get(AgentRow, registration.name),
+        )
+        if created:
+            return _agent(row), True
+    row.labels = dict(registration.labels)
+    row.fingerprint = fingerprint
+    row.fingerprint_keys = dict(registration.fingerprint_keys)
+    row.compatibility_keys = dict(registration.compatibility_keys)
+    row.serve_url = registration.serve_url
+    row.registered_at = now
+    row.last_seen = now
+    session.flush()
+    return _agent(row), False
+
+
+def agent_heartbeat(session: Session, *, name: str, models: list[ModelStatus]) -> AgentInfo:
+    """Record a heartbeat; ``NotFound`` when the agent never registered (it must register)."""
+    row = session.get(AgentRow, name, with_for_update=True)
+    if row is None:
+        raise NotFound(f"no agent {name!r}; register with POST /v1/agents first", agent=name)
+    row.models = [m.model_dump(mode="json") for m in models]
+    row.last_seen = utcnow()
+    session.flush()
+    return _agent(row)
+
+
+def get_agent(session: Session, *, name: str) -> AgentInfo:
+    row = session.get(AgentRow, name)
+    if row is None:
+        raise NotFound(f"no agent {name!r}", agent=name)
+    return _agent(row)
+
+
+def list_agents(session: Session) -> list[AgentInfo]:
+    stmt = sa.select(AgentRow).order_by(AgentRow.name)
+    return [_agent(row) for row in session.scalars(stmt)]
+
+
+def known_fingerprint_keys(session: Session) -> set[str]:
+    """Every fingerprint key any agent has reported."""
+    keys: set[str] = set()
+    for mapping in session.scalars(sa.select(AgentRow.fingerprint_keys)):
+        keys.update(mapping.values())
+    return keys

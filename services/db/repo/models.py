@@ -1,0 +1,87 @@
+"""Models: submitted bytes, keyed by their sha256."""
+
+from __future__ import annotations
+
+import logging
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from schemas.errors import InvalidRequest
+from schemas.manifest import TensorSpec
+from schemas.models import ModelInfo
+from services.db.repo._common import _SHA256, _check_limit, _insert, _require_model
+from services.db.tables import ModelRow, utcnow
+
+log = logging.getLogger(__name__)
+
+def _model_info(row: ModelRow) -> ModelInfo:
+    return ModelInfo(
+        id=row.id,
+        name=row.name,
+        sha256=row.id,
+        size_bytes=row.size_bytes,
+        opset=row.opset,
+        ir_version=row.ir_version,
+        inputs=[TensorSpec.model_validate(spec) for spec in row.inputs],
+        outputs=[TensorSpec.model_validate(spec) for spec in row.outputs],
+        created_at=row.created_at,
+    )
+
+def upsert_model(
+    session: Session,
+    *,
+    sha256: str,
+    name: str,
+    size_bytes: int,
+    opset: int,
+    ir_version: int,
+    inputs: list[TensorSpec],
+    outputs: list[TensorSpec],
+    blob_key: str,
+) -> tuple[ModelInfo, bool]:
+    """Record a model by the sha256 of its bytes: ``(model, created)``.
+
+    The same bytes again (even from a concurrent upload) return the existing model with
+    ``created=False``; its name and blob key are kept.
+    """
+    if not _SHA256.match(sha256):
+        raise InvalidRequest(f"expected a lower-case sha256 hex digest, got {sha256!r}")
+    row = session.get(ModelRow, sha256)
+    if row is not None:
+        return _model_info(row), False
+    row, created = _insert(
+        session,
+        ModelRow(
+            id=sha256,
+            name=name,
+            size_bytes=size_bytes,
+            opset=opset,
+            ir_version=ir_version,
+            inputs=[spec.model_dump(mode="json") for spec in inputs],
+            outputs=[spec.model_dump(mode="json") for spec in outputs],
+            blob_key=blob_key,
+            created_at=utcnow(),
+        ),
+        lambda: session.get(ModelRow, sha256),
+    )
+    if created:
+        log.info("recorded model %s (%s, %d bytes)", sha256, name, size_bytes)
+    return _model_info(row), created
+
+
+def get_model(session: Session, *, model_id: str) -> ModelInfo:
+    """The model ``model_id``; ``NotFound`` when there is none."""
+    return _model_info(_require_model(session, model_id))
+
+
+def get_model_blob_key(session: Session, *, model_id: str) -> str:
+    """Where the model's bytes live in the artifact store; ``NotFound`` when unknown."""
+    return _require_model(session, model_id).blob_key
+
+
+def list_models(session: Session, *, limit: int = 100) -> list[ModelInfo]:
+    """Models, newest first."""
+    _check_limit(limit)
+    stmt = sa.select(ModelRow).order_by(ModelRow.created_at.desc(), ModelRow.id).limit(limit)
+    return [_model_info(row) for row in session.scalars(stmt)]
