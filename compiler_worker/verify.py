@@ -23,8 +23,8 @@ import onnx
 
 from compiler_worker.modelio import UNKNOWN_RANK
 from runtime_agent.samples import INT_HIGH as INT_HIGH  # re-exported: the range of int feeds
-from runtime_agent.samples import sample_inputs
-from schemas.errors import CompileError, InvalidOptions, KilnError
+from runtime_agent.samples import IntegerRange, sample_inputs
+from schemas.errors import CompileError, InvalidOptions, KilnError, ModelCheckFailed
 from schemas.manifest import TensorSpec, VerificationResult
 from schemas.options import CompileOptions
 
@@ -80,12 +80,15 @@ def input_shape(spec: TensorSpec, options: CompileOptions) -> list[int]:
 
 
 def random_inputs(
-    specs: list[TensorSpec], options: CompileOptions, *, seed: int
+    specs: list[TensorSpec], options: CompileOptions, *, seed: int,
+    ranges: Mapping[str, IntegerRange] | None = None,
 ) -> dict[str, np.ndarray]:
     """One seeded random feed for ``specs`` (same seed, same arrays).
 
     Shapes come from ``input_shape``; the arrays are drawn by ``runtime_agent.samples``
-    (floats standard normal, integers uniform in ``[0, INT_HIGH)``, booleans fair coin flips).
+    (floats standard normal, booleans fair coin flips, integers uniform in ``ranges[name]``
+    where given — ``compiler_worker.inputs.input_ranges`` reads them from the graph — else in
+    ``[0, INT_HIGH)``).
     """
     names = [spec.name for spec in specs]
     unknown = sorted(set(options.shapes) - set(names))
@@ -96,7 +99,8 @@ def random_inputs(
             inputs=names,
         )
     return sample_inputs(
-        specs, {spec.name: input_shape(spec, options) for spec in specs}, seed=seed
+        specs, {spec.name: input_shape(spec, options) for spec in specs}, seed=seed,
+        ranges=ranges,
     )
 
 
@@ -157,17 +161,18 @@ def verify(
     options: CompileOptions,
     *,
     reference: str = "onnxruntime ORT_DISABLE_ALL on the submitted model",
+    ranges: Mapping[str, IntegerRange] | None = None,
 ) -> VerificationResult:
     """Compare the engine with the reference on ``options.verify_samples`` random feeds.
 
-    Feed ``i`` uses seed ``options.seed + i``. ``max_rel_error`` is taken over elements whose
+    Feed ``i`` uses seed ``options.seed + i`` and the integer ``ranges`` of ``random_inputs``. ``max_rel_error`` is taken over elements whose
     reference is non-zero (where it is zero, only ``atol`` applies). ``reference`` names what
     produced the reference outputs. Never raises on a numeric mismatch: the result says.
     """
     atol, rtol = options.tolerance.atol, options.tolerance.rtol
     stats: dict[str, _OutputStats] = {}
     for sample in range(options.verify_samples):
-        feed = random_inputs(specs, options, seed=options.seed + sample)
+        feed = random_inputs(specs, options, seed=options.seed + sample, ranges=ranges)
         expected = reference_run(feed)
         got = engine_run(feed)
         for name, ref in expected.items():
@@ -245,3 +250,55 @@ def reference_runner(
             raise CompileError(
                 f"onnxruntime cannot run the model as a reference: {exc2}"
             ) from exc2
+
+
+#: Tolerance between a graph and its opset conversion, both run by ``onnx.reference``.
+CONVERSION_RTOL = 1e-4
+CONVERSION_ATOL = 1e-5
+
+
+def check_conversion(original: onnx.ModelProto, converted: onnx.ModelProto, *, what: str,
+                     seed: int = 0, rtol: float = CONVERSION_RTOL,
+                     atol: float = CONVERSION_ATOL) -> str:
+    """Run ``original`` and ``converted`` with ONNX's reference evaluator (which runs opsets
+    onnxruntime refuses) on one generated feed and compare every output.
+
+    Raises ``ModelCheckFailed`` naming the outputs when they differ beyond
+    ``atol + rtol*|original|``. Returns what was established, for the pass's record: that the
+    outputs match, or why they could not be compared (an input whose shape is unknown, an
+    operator the reference evaluator lacks), which is also logged as a warning.
+    """
+    from onnx.reference import ReferenceEvaluator
+
+    from compiler_worker.modelio import signature
+
+    inputs, outputs = signature(original)
+    try:
+        feed = sample_inputs(inputs, seed=seed)
+    except KilnError as exc:
+        logger.warning("%s not checked: no inputs can be generated (%s)", what, exc)
+        return f"unchecked: {exc}"
+    names = [spec.name for spec in outputs]
+    results = []
+    for model in (original, converted):
+        try:
+            values = ReferenceEvaluator(model).run(names, dict(feed))
+        except Exception as exc:  # the reference evaluator raises untyped errors per operator
+            logger.warning("%s not checked: onnx.reference cannot run the %s model (%s)", what,
+                           "original" if model is original else "converted", exc)
+            return f"unchecked: onnx.reference cannot run it ({type(exc).__name__})"
+        results.append(dict(zip(names, values, strict=True)))
+    stats: dict[str, _OutputStats] = {}
+    for name in names:
+        stats[name] = _OutputStats()
+        stats[name].add(results[1][name], results[0][name], atol, rtol)
+    bad = {name: s.as_dict() for name, s in stats.items() if not s.passed}
+    if bad:
+        raise ModelCheckFailed(
+            f"the {what} changes the model's outputs: with onnx.reference on the same generated "
+            f"inputs, outputs {sorted(bad)} differ beyond |converted - original| <= "
+            f"{atol:g} + {rtol:g}*|original| ({bad})",
+            outputs=bad,
+        )
+    worst = max((s.max_abs_error for s in stats.values()), default=0.0)
+    return f"outputs match onnx.reference, max abs error {worst:.2g}"

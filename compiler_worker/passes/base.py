@@ -21,6 +21,9 @@ class Pass(ABC):
     name: ClassVar[str]
     #: The job stage the pass belongs to (reported while it runs).
     stage: ClassVar[JobStage] = JobStage.OPTIMIZING
+    #: What the last ``run`` did, when worth recording (e.g. ``"opset 6->7, ..."``); the
+    #: pipeline's applied list then says ``"<name> (<detail>)"``.
+    detail: str | None = None
 
     @abstractmethod
     def run(self, model: onnx.ModelProto) -> onnx.ModelProto:
@@ -33,7 +36,8 @@ class Pass(ABC):
 class PassPipeline:
     """Runs passes in order, skipping the ``disabled`` ones (TVM ``Sequential`` + ``PassContext``).
 
-    ``applied`` lists the names of the passes that ran, in order, after ``run``.
+    ``applied`` lists the passes that ran, in order, after ``run``: each pass's name, followed
+    by `` (<detail>)`` when the pass reported what it did.
     """
 
     def __init__(self, passes: Sequence[Pass], disabled: Iterable[str] = ()) -> None:
@@ -71,6 +75,8 @@ class PassPipeline:
                 continue
             if before_pass is not None:
                 before_pass(graph_pass)
+            graph_pass.detail = None
             current = graph_pass.run(current)
-            self.applied.append(graph_pass.name)
+            self.applied.append(graph_pass.name if graph_pass.detail is None
+                                else f"{graph_pass.name} ({graph_pass.detail})")
         return current

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import onnx
+import onnxruntime
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper, version_converter
 
 from compiler_worker.modelio import default_opset, signature
 from compiler_worker.passes import (
+    MIN_OPSET,
     CheckModel,
     PassPipeline,
     StripInitializerInputs,
@@ -25,25 +29,74 @@ def test_check_rejects_ill_typed_model_with_checker_message() -> None:
     assert info.value.details["checker_message"]
 
 
-def test_check_returns_the_model_with_inferred_shapes() -> None:
-    checked = CheckModel().run(mlp())
-    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
-              for v in checked.graph.value_info}
-    assert shapes["h"] == ["N", 256]
+def test_check_fills_output_shapes_but_keeps_inferred_value_info_out() -> None:
+    model = mlp()
+    output = model.graph.output[0]
+    output.CopyFrom(helper.make_tensor_value_info(output.name, TensorProto.FLOAT, [None, None]))
+    checked = CheckModel().run(model)
+    assert not checked.graph.value_info
+    out = checked.graph.output[0].type.tensor_type.shape
+    assert [d.dim_value or d.dim_param for d in out.dim] == ["N", 16]
 
 
-def test_upgrade_light_resnet50_to_opset_13() -> None:
-    model = onnx_test_model("light_resnet50")
-    assert default_opset(model) == 9
-    upgraded = UpgradeOpset().run(model)
-    assert default_opset(upgraded) == 13
-    assert upgraded.ir_version >= 7
+def _pytorch_converted(name: str) -> onnx.ModelProto:
+    return onnx.load(Path(onnx.__file__).parent / "backend" / "test" / "data"
+                     / "pytorch-converted" / name / "model.onnx")
+
+
+def test_upgrade_only_below_the_minimum_and_verify_with_the_reference() -> None:
+    model = _pytorch_converted("test_Conv2d")
+    assert default_opset(model) == 6
+    upgrade = UpgradeOpset()
+    upgraded = upgrade.run(model)
+    assert default_opset(upgraded) == MIN_OPSET == 7
     onnx.checker.check_model(upgraded)
+    assert upgrade.detail is not None
+    assert upgrade.detail.startswith("opset 6->7, outputs match onnx.reference")
+
+
+def test_upgrade_leaves_opset_9_zoo_models_alone() -> None:
+    model = onnx_test_model("light_resnet50")
+    assert UpgradeOpset().run(model) is model
 
 
 def test_upgrade_leaves_recent_models_alone() -> None:
     model = mlp(opset=17)
     assert UpgradeOpset().run(model) is model
+
+
+def test_upgrade_drops_stale_value_info_of_the_old_opset() -> None:
+    # Opset-9 inference types Dropout's mask as float; from opset 12 on it is bool.
+    model = onnx.shape_inference.infer_shapes(onnx_test_model("light_bvlc_alexnet"),
+                                              check_type=True, strict_mode=True)
+    upgraded = UpgradeOpset(minimum=13, verify=False).run(model)
+    assert default_opset(upgraded) == 13
+    mask_names = {n.output[1] for n in upgraded.graph.node if n.op_type == "Dropout"}
+    assert len(mask_names) == 2
+    masks = [v for v in upgraded.graph.value_info if v.name in mask_names]
+    assert all(v.type.tensor_type.elem_type == TensorProto.BOOL for v in masks)
+    onnxruntime.InferenceSession(upgraded.SerializeToString(),
+                                 providers=["CPUExecutionProvider"])
+    onnx.shape_inference.infer_shapes(upgraded, check_type=True, strict_mode=True)
+
+
+def test_upgrade_that_changes_numerics_fails_typed() -> None:
+    model = _pytorch_converted("test_Conv2d")
+    original_convert = version_converter.convert_version
+
+    def sabotaged(m: onnx.ModelProto, target: int) -> onnx.ModelProto:
+        converted = original_convert(m, target)
+        weight = converted.graph.initializer[0]
+        array = numpy_helper.to_array(weight) * 1.01
+        weight.CopyFrom(numpy_helper.from_array(array, weight.name))
+        return converted
+
+    version_converter.convert_version = sabotaged
+    try:
+        with pytest.raises(ModelCheckFailed, match="opset 6 -> 7 conversion changes"):
+            UpgradeOpset().run(model)
+    finally:
+        version_converter.convert_version = original_convert
 
 
 def test_upgrade_failure_names_both_opsets() -> None:
@@ -56,7 +109,7 @@ def test_upgrade_failure_names_both_opsets() -> None:
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 1)])
     with pytest.raises(UnsupportedOpset, match="from opset 1 to opset 13") as info:
-        UpgradeOpset().run(model)
+        UpgradeOpset(minimum=13).run(model)
     assert info.value.details == {"from_opset": 1, "to_opset": 13}
 
 

@@ -136,7 +136,7 @@ def test_artifact_dir_refuses_tampered_blob(tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]  # nothing half-written
 
 
-def test_light_resnet50_compiles_after_opset_upgrade(tmp_path: Path,
+def test_light_resnet50_compiles_at_its_own_opset(tmp_path: Path,
                                                      fingerprint: HardwareFingerprint) -> None:
     model = onnx_test_model("light_resnet50")
     result = compile_model(
@@ -149,7 +149,7 @@ def test_light_resnet50_compiles_after_opset_upgrade(tmp_path: Path,
     assert "the submitted model" in manifest.verification.reference
     engine = onnx.load(result.blob_paths["engine"], load_external_data=False)
     assert [v.name for v in engine.graph.input] == ["gpu_0/data_0"]
-    assert {o.domain: o.version for o in engine.opset_import}[""] == 13
+    assert {o.domain: o.version for o in engine.opset_import}[""] == 9  # onnxruntime runs 9
 
 
 def test_fused_layernorm_on_ill_conditioned_input_fails_verification(
