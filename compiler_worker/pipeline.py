@@ -23,50 +23,50 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import numpy as np
 import onnx
 
 from artifact_store.digest import sha256_file
 from compiler_worker import backends
-from compiler_worker.backends.base import PIPELINE_VERSION, Backend
+from compiler_worker.backends.base import PIPELINE_VERSION, Backend, BuiltEngine, Candidate
 from compiler_worker.benchmark import benchmark
+from compiler_worker.inputs import generated_inputs_source, input_ranges
 from compiler_worker.modelio import load_model_bytes, signature
 from compiler_worker.passes import default_pipeline
 from compiler_worker.passes.custom_op_shapes import fill_attribute_defaults
-from compiler_worker.verify import random_inputs, reference_runner, verify
-from runtime_agent.executors import MANIFEST_FILENAME, blob_filename, load_executor
+from compiler_worker.tuner import tune
+from compiler_worker.verify import random_inputs, reference_custom_ops, reference_runner
+from runtime_agent.executors import MANIFEST_FILENAME, CustomOpAdapter, blob_filename
 from runtime_agent.plugins import (
     LoadedPlugin,
     NoImplementation,
     OpRegistry,
     load_bundle,
-    runtime_abi,
     split_op,
 )
+from runtime_agent.samples import describe_inputs
 from schemas._canonical import canonical_json, sha256_hex
 from schemas.errors import (
     CompileError,
     Conflict,
     IntegrityError,
+    InvalidOptions,
     InvalidRequest,
     ModelCheckFailed,
     UnknownOperator,
-    VerificationFailed,
 )
 from schemas.fingerprint import HardwareFingerprint
 from schemas.jobs import JobStage
-from schemas.manifest import ArtifactManifest, BenchmarkResult, BlobRef, VerificationResult
+from schemas.manifest import ArtifactManifest, BenchmarkResult, TensorSpec, VerificationResult
 from schemas.onnx_model import custom_ops
 from schemas.options import CompileOptions
 from schemas.plugins import PluginManifest, PluginRef
-
-if TYPE_CHECKING:
-    from runtime_agent.plugins.onnxruntime import SessionCustomOps
+from schemas.tuning import TuningTable
 
 __all__ = [
     "PIPELINE_VERSION",
@@ -155,23 +155,26 @@ def plan_build(
     options: CompileOptions,
     fingerprint: HardwareFingerprint,
     *,
+    key: str | None = None,
     disabled_passes: frozenset[str] = frozenset(),
     plugins: Sequence[PluginRef] = (),
 ) -> BuildPlan:
     """Backend, fingerprint key, toolchain and artifact id for a compile, without building.
 
+    ``key``: the fingerprint key the job was queued for (the backend is the one whose key it
+    is here); without it, the highest-priority backend that supports ``fingerprint``.
     ``plugins``: the plugin bundles providing the model's custom ops (their digests are part of
     the toolchain). A caller looks the artifact id up in its store first: same key, same
-    artifact.
+    artifact. Computed once per job and handed to ``compile_model``.
     """
-    backend = backends.backend_for(fingerprint, options)
-    key = backend.fingerprint_key(fingerprint)
+    backend = backends.backend_for(fingerprint, options, key)
+    own_key = backend.fingerprint_key(fingerprint)
     toolchain = _toolchain(backend.toolchain(), frozenset(disabled_passes), plugins)
     return BuildPlan(
         backend=backend,
-        fingerprint_key=key,
+        fingerprint_key=own_key,
         toolchain=toolchain,
-        artifact_id=artifact_id_for(model_sha256, options.digest(), key, toolchain),
+        artifact_id=artifact_id_for(model_sha256, options.digest(), own_key, toolchain),
     )
 
 
@@ -200,23 +203,6 @@ def _fresh_dir(path: Path) -> Path:
     return path
 
 
-def _verification_message(result: VerificationResult) -> str:
-    worst = ", ".join(
-        f"{name}: max abs {s['max_abs_error']:.3g}, max rel {s['max_rel_error']:.3g}, "
-        f"{int(s['mismatched'])}/{int(s['elements'])} elements out of tolerance"
-        + "".join(f", {flag}" for flag in ("shape_mismatch", "missing") if flag in s)
-        + (f", {int(s['nonfinite_mismatched'])} NaN/inf mismatches"
-           if s["nonfinite_mismatched"] else "")
-        for name, s in result.per_output.items()
-    )
-    return (
-        f"the engine's outputs differ from the reference ({result.reference}) beyond the "
-        f"tolerance |engine - reference| <= atol + rtol*|reference| with atol={result.atol:g}, "
-        f"rtol={result.rtol:g} over {result.samples} sample(s): max abs error "
-        f"{result.max_abs_error:.3g}, max rel error {result.max_rel_error:.3g} ({worst})"
-    )
-
-
 @dataclass
 class _Plugins:
     """The plugins a compile uses: loaded, their ops, and what the sessions register."""
@@ -225,11 +211,9 @@ class _Plugins:
     registry: OpRegistry = field(default_factory=OpRegistry)
     refs: list[PluginRef] = field(default_factory=list)
     paths: dict[str, Path] = field(default_factory=dict)
-    session: SessionCustomOps | None = None
-
-
-def _target_device(backend: Backend) -> str:
-    return str(getattr(backend, "device", "cpu"))
+    #: What the backend's build registers for the model's custom ops.
+    adapter: CustomOpAdapter | None = None
+    ops: set[str] = field(default_factory=set)
 
 
 def _prepare_plugins(model_ops: set[str], plugins: Sequence[tuple[PluginRef, Path]],
@@ -243,7 +227,7 @@ def _prepare_plugins(model_ops: set[str], plugins: Sequence[tuple[PluginRef, Pat
             logger.info("the model has no custom ops; plugins %s are not needed",
                         [f"{ref.name} {ref.version}" for ref, _ in plugins])
         return _Plugins()
-    device = _target_device(backend)
+    device = backend.device
     root = workdir / PLUGINS_DIRNAME
     manifests: list[tuple[PluginRef, Path, PluginManifest]] = []
     for ref, archive in {ref.digest: (ref, Path(path)) for ref, path in plugins}.values():
@@ -274,7 +258,7 @@ def _prepare_plugins(model_ops: set[str], plugins: Sequence[tuple[PluginRef, Pat
             f"{[f'{r.name} {r.version}' for r, _, _ in manifests] or 'none'})",
             missing=missing, registered=sorted(provider),
         )
-    if not getattr(backend, "accepts_plugins", False):
+    if not backend.accepts_plugins:
         raise NoImplementation(
             f"the model uses custom ops {sorted(model_ops)}; the {backend.name} backend builds "
             f"no custom ops yet", backend=backend.name, ops=sorted(model_ops))
@@ -288,7 +272,7 @@ def _prepare_plugins(model_ops: set[str], plugins: Sequence[tuple[PluginRef, Pat
                 f"version {spec.since_version} (plugin {provider[op][0].name})", op=op)
     used = {id(entry): entry for op, entry in provider.items() if op in model_ops}
     result = _Plugins()
-    abi = runtime_abi(backend.name)
+    abi = backend.plugin_abi()
     for ref, archive, manifest in sorted(used.values(), key=lambda e: e[0].name):
         ops = sorted(op for op in model_ops if provider[op][2] is manifest)
         result.loaded.append(load_bundle(archive, ref, root, target=(backend.name, device),
@@ -296,9 +280,8 @@ def _prepare_plugins(model_ops: set[str], plugins: Sequence[tuple[PluginRef, Pat
         result.refs.append(ref)
         result.paths[ref.digest] = archive
     result.registry = OpRegistry.union(p.registry for p in result.loaded)
-    from runtime_agent.plugins.onnxruntime import SessionCustomOps
-
-    result.session = SessionCustomOps.resolve(result.loaded, model_ops, device)
+    result.adapter = backend.custom_op_adapter(result.loaded, model_ops)
+    result.ops = set(model_ops)
     logger.info("custom ops %s from plugins %s", sorted(model_ops),
                 [f"{r.name} {r.version}" for r in result.refs])
     return result
@@ -313,28 +296,72 @@ def compile_model(
     on_stage: StageCallback | None = None,
     disabled_passes: frozenset[str] = frozenset(),
     plugins: Sequence[tuple[PluginRef, Path]] = (),
+    plan: BuildPlan | None = None,
+    samples: Mapping[str, np.ndarray] | None = None,
+    calibration: Mapping[str, np.ndarray] | None = None,
+    reuse: TuningTable | None = None,
 ) -> CompileResult:
-    """Compile ONNX bytes into a verified, benchmarked engine for hardware like ``fingerprint``.
+    """Compile ONNX bytes into the fastest verified engine for hardware like ``fingerprint``.
 
     ``fingerprint`` is the build host's; the caller makes sure it describes this machine.
-    ``plugins``: (ref, bundle archive) of the plugins that may provide the model's custom ops
-    (those that do are recorded in the manifest; others are ignored).
+    ``plan``: the job's ``plan_build`` (computed here when absent). ``plugins``: (ref, bundle
+    archive) of the plugins that may provide the model's custom ops (those that do are
+    recorded in the manifest; others are ignored). ``samples`` / ``calibration``: the arrays
+    of the datasets ``options.samples`` / ``options.calibration`` name (sample ``i`` of input
+    ``x`` is ``samples["x"][i]``); without samples, inputs are generated to fit the graph.
+    ``reuse``: an earlier tuning record for the same cache key (only its winner is built).
+
     Raises ``InvalidModel``, ``ModelCheckFailed``, ``UnsupportedOpset``, ``InvalidOptions``,
     ``BackendUnavailable``, ``UnknownOperator``, ``PluginError`` (``NoImplementation``,
     ``AbiMismatch``, ``ShapeFunctionError``), ``IntegrityError`` (a bundle that does not match
-    its ref), ``CompileError`` or ``VerificationFailed``; on success the blobs lie in
-    ``workdir / "artifact"`` named as in an artifact directory, and the returned manifest is
-    complete but unsigned.
+    its ref), ``CompileError``, ``VerificationFailed``, ``AccuracyGateFailed`` or
+    ``NoViableCandidate``; on success the blobs lie in ``workdir`` named as in an artifact
+    directory, and the returned manifest (with the tuning table) is complete but unsigned.
     """
     before = set(sys.modules)
     try:
         return _compile(model_bytes, options, fingerprint=fingerprint, workdir=Path(workdir),
-                        on_stage=on_stage, disabled_passes=disabled_passes, plugins=plugins)
+                        on_stage=on_stage, disabled_passes=disabled_passes, plugins=plugins,
+                        plan=plan, samples=samples, calibration=calibration, reuse=reuse)
     except BaseException:
         # A failed compile leaves no plugin module imported.
         for name in [n for n in sys.modules if n not in before and n.startswith("_kiln_plugin_")]:
             sys.modules.pop(name, None)
         raise
+
+
+#: At most this many dataset samples verify a candidate.
+MAX_SAMPLE_FEEDS = 64
+
+
+def dataset_feeds(arrays: Mapping[str, np.ndarray], specs: Sequence[TensorSpec], *,
+                  what: str, limit: int = MAX_SAMPLE_FEEDS) -> list[dict[str, np.ndarray]]:
+    """Feeds from a dataset: sample ``i`` of every input together, each checked against the
+    input signature (``InvalidOptions`` naming the mismatch)."""
+    names = [spec.name for spec in specs]
+    if set(arrays) != set(names):
+        raise InvalidOptions(
+            f"the {what} dataset holds {sorted(arrays)}; the model's inputs are {names}",
+            dataset=sorted(arrays), inputs=names)
+    counts = {name: int(np.shape(arrays[name])[0]) if np.ndim(arrays[name]) else 0
+              for name in names}
+    if len(set(counts.values())) != 1 or not min(counts.values()):
+        raise InvalidOptions(f"every array of the {what} dataset must hold the same number (>0) "
+                             f"of samples on its first axis; it holds {counts}")
+    feeds = [{spec.name: np.ascontiguousarray(arrays[spec.name][i]) for spec in specs}
+             for i in range(min(limit, counts[names[0]]))]
+    for spec in specs:
+        sample = feeds[0][spec.name]
+        fixed_ok = sample.ndim == len(spec.shape) and all(
+            not isinstance(want, int) or want == got
+            for want, got in zip(spec.shape, sample.shape, strict=True))
+        if sample.dtype.name != spec.dtype or (list(spec.shape) != ["..."] and not fixed_ok):
+            raise InvalidOptions(
+                f"the {what} dataset's samples of input {spec.name!r} are "
+                f"{sample.dtype.name}{list(sample.shape)}; the model expects "
+                f"{spec.dtype}{list(spec.shape)} (a dataset array is [samples, *input shape])",
+                input=spec.name)
+    return feeds
 
 
 def _compile(
@@ -346,6 +373,10 @@ def _compile(
     on_stage: StageCallback | None,
     disabled_passes: frozenset[str],
     plugins: Sequence[tuple[PluginRef, Path]],
+    plan: BuildPlan | None,
+    samples: Mapping[str, np.ndarray] | None,
+    calibration: Mapping[str, np.ndarray] | None,
+    reuse: TuningTable | None,
 ) -> CompileResult:
     stages = _Stages(on_stage)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -355,14 +386,21 @@ def _compile(
     model_sha256 = sha256_hex(model_bytes)
     submitted = load_model_bytes(model_bytes)
     model_ops = custom_ops(submitted)
+    backend = plan.backend if plan is not None else backends.backend_for(fingerprint, options)
     used = _prepare_plugins(
-        model_ops, plugins, backends.backend_for(fingerprint, options),
+        model_ops, plugins, backend,
         {o.domain: o.version for o in submitted.opset_import}, workdir)
     if model_ops:
         submitted = fill_attribute_defaults(submitted, used.registry)
     passes = default_pipeline(disabled, custom_ops=used.registry)
-    plan = plan_build(model_sha256, options, fingerprint, disabled_passes=disabled,
-                      plugins=used.refs)
+    expected_plan = plan_build(model_sha256, options, fingerprint, key=backend.fingerprint_key(
+        fingerprint), disabled_passes=disabled, plugins=used.refs)
+    if plan is not None and plan != expected_plan:
+        raise CompileError(
+            f"the job's build plan ({plan.backend.name}, {plan.fingerprint_key}, "
+            f"{plan.toolchain}) is not this compile's ({expected_plan.fingerprint_key}, "
+            f"{expected_plan.toolchain}); is the worker's toolchain installation consistent?")
+    plan = expected_plan
     logger.info("compiling model %s with %s for %s (artifact %s)", model_sha256[:12],
                 plan.backend.name, plan.fingerprint_key, plan.artifact_id)
 
@@ -370,84 +408,85 @@ def _compile(
     prepared = passes.run(submitted, before_pass=lambda p: stages.enter(p.stage))
     stages.enter(JobStage.OPTIMIZING)
     inputs, outputs = signature(prepared)
-    random_inputs(inputs, options, seed=options.seed)  # refuse unusable shapes before building
+    ranges = input_ranges(prepared)  # integer inputs stay inside the tables they index
+    if samples is not None:
+        feeds = dataset_feeds(samples, inputs, what="samples")
+        source = f"dataset:{options.samples}" if options.samples else "dataset"
+    else:
+        feeds = [random_inputs(inputs, options, seed=options.seed + i, ranges=ranges)
+                 for i in range(options.verify_samples)]
+        source = generated_inputs_source(describe_inputs(inputs, ranges))
+    calibration_feeds: list[dict[str, np.ndarray]] = []
+    calibration_note = ""
+    if calibration is not None:
+        calibration_feeds = dataset_feeds(calibration, inputs, what="calibration", limit=512)
+    elif samples is not None:
+        calibration_feeds = feeds
+        calibration_note = "calibrated on the samples (no calibration dataset was given)"
     prepared_path = workdir / "prepared.onnx"
     onnx.save_model(prepared, prepared_path)
 
     stages.enter(JobStage.BUILDING)
-    build_kwargs = {"custom_ops": used.session} if used.session else {}
-    built = plan.backend.build(
-        prepared_path, options, _fresh_dir(workdir / "build"), fingerprint=fingerprint,
-        **build_kwargs,
-    )
-    toolchain = _toolchain(built.toolchain, disabled, used.refs)
-    if toolchain != plan.toolchain:
-        raise CompileError(
-            f"the backend built with toolchain {toolchain!r}, but the plan (and the artifact id) "
-            f"assumed {plan.toolchain!r}; is the worker's toolchain installation consistent?"
-        )
-    artifact_dir = _fresh_dir(workdir / "artifact")
-    blobs: list[BlobRef] = []
-    blob_paths: dict[str, Path] = {}
-    for name, path, media_type in built.blobs:
-        path = Path(path)
-        ref = BlobRef(name=name, sha256=sha256_file(path)[0], size=path.stat().st_size,
-                      media_type=media_type)
-        destination = artifact_dir / blob_filename(ref)
-        os.replace(path, destination)
-        blobs.append(ref)
-        blob_paths[name] = destination
-
-    manifest = ArtifactManifest(
-        artifact_id=plan.artifact_id,
-        model_sha256=model_sha256,
-        options_digest=options.digest(),
-        options=options,
-        backend=plan.backend.name,
-        fingerprint_key=plan.fingerprint_key,
-        compatibility_key=plan.backend.compatibility_key(
-            fingerprint, options, dict(built.runtime_config)),
-        toolchain=toolchain,
-        build_fingerprint=fingerprint,
-        blobs=blobs,
-        inputs=inputs,
-        outputs=outputs,
-        runtime_config=dict(built.runtime_config),
-        plugins=list(used.refs),
-        passes=list(passes.applied),
-        # Placeholders until verification and benchmarking fill them in below.
-        verification=VerificationResult(
-            passed=False, samples=0, max_abs_error=0.0, max_rel_error=0.0,
-            atol=options.tolerance.atol, rtol=options.tolerance.rtol, reference="pending",
-        ),
-        benchmark=BenchmarkResult(iterations=0, warmup=0, p50_ms=0.0, p90_ms=0.0, mean_ms=0.0,
-                                  min_ms=0.0),
-        created_at=datetime.now(UTC),
-    )
-
-    stages.enter(JobStage.VERIFYING)
-    executor = load_executor(artifact_dir, manifest, used.loaded)
     output_names = [spec.name for spec in outputs]
-    reference = reference_runner(submitted, prepared, output_names, custom_ops=used.session)
-    verification = verify(executor.run, reference.run, inputs, options, reference=reference.name)
-    if not verification.passed:
-        raise VerificationFailed(
-            _verification_message(verification), **verification.model_dump(mode="json")
+    reference = reference_runner(submitted, prepared, output_names,
+                                 custom_ops=reference_custom_ops(used.loaded, used.ops))
+    expected = [reference.run(feed) for feed in feeds]
+
+    def manifest_for(built: BuiltEngine, candidate: Candidate) -> ArtifactManifest:
+        toolchain = _toolchain(built.toolchain, disabled, used.refs)
+        if toolchain != plan.toolchain:
+            raise CompileError(
+                f"the backend built with toolchain {toolchain!r}, but the plan (and the "
+                f"artifact id) assumed {plan.toolchain!r}; is the worker's toolchain "
+                f"installation consistent?"
+            )
+        return ArtifactManifest(
+            artifact_id=plan.artifact_id,
+            model_sha256=model_sha256,
+            options_digest=options.digest(),
+            options=options,
+            backend=plan.backend.name,
+            fingerprint_key=plan.fingerprint_key,
+            compatibility_key=plan.backend.compatibility_key(
+                fingerprint, dict(built.runtime_config)),
+            toolchain=toolchain,
+            build_fingerprint=fingerprint,
+            blobs=[],
+            inputs=inputs,
+            outputs=outputs,
+            runtime_config=dict(built.runtime_config),
+            plugins=list(used.refs),
+            passes=list(passes.applied),
+            inputs_source=source,
+            precision=candidate.precision,
+            # Placeholders until the tuner fills them in.
+            verification=VerificationResult(
+                passed=False, samples=0, max_abs_error=0.0, max_rel_error=0.0,
+                atol=options.tolerance.atol, rtol=options.tolerance.rtol, reference="pending",
+            ),
+            benchmark=BenchmarkResult(iterations=0, warmup=0, p50_ms=0.0, p90_ms=0.0,
+                                      mean_ms=0.0, min_ms=0.0),
+            created_at=datetime.now(UTC),
         )
 
+    outcome = tune(
+        plan.backend, prepared_path, options, workdir / "tuning", fingerprint=fingerprint,
+        toolchain=plan.toolchain, manifest_for=manifest_for, feeds=feeds, expected=expected,
+        reference=reference.name, inputs=source, calibration=calibration_feeds,
+        calibration_note=calibration_note, custom_ops=used.adapter, plugins=used.loaded,
+        reuse=reuse, on_stage=stages.enter,
+    )
     stages.enter(JobStage.BENCHMARKING)
-    feed = random_inputs(inputs, options, seed=options.seed)
-    iterations = options.benchmark_iterations
-    warmup = min(10, max(1, iterations // 10))
-    engine_bench = benchmark(executor.run, feed, iterations=iterations, warmup=warmup)
-    reference_bench = benchmark(reference.run, feed, iterations=iterations, warmup=warmup)
-    manifest = manifest.model_copy(update={
-        "verification": verification,
-        "benchmark": engine_bench.model_copy(update={"reference_p50_ms": reference_bench.p50_ms}),
+    iterations = min(options.benchmark_iterations, 20)
+    reference_bench = benchmark(reference.run, feeds[0], iterations=iterations, warmup=1)
+    manifest = outcome.manifest.model_copy(update={
+        "benchmark": outcome.manifest.benchmark.model_copy(
+            update={"reference_p50_ms": reference_bench.p50_ms}),
         "created_at": datetime.now(UTC),
     })
-    logger.info("artifact %s ready: p50 %.3f ms (reference %.3f ms)", manifest.artifact_id,
-                engine_bench.p50_ms, reference_bench.p50_ms)
+    blob_paths = {ref.name: outcome.artifact_dir / blob_filename(ref) for ref in manifest.blobs}
+    logger.info("artifact %s ready: %s, p50 %.3f ms (reference %.3f ms)", manifest.artifact_id,
+                outcome.table.winner, manifest.benchmark.p50_ms, reference_bench.p50_ms)
     return CompileResult(manifest=manifest, blob_paths=blob_paths, plugin_paths=used.paths)
 
 

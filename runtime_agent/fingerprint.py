@@ -23,14 +23,13 @@ import platform
 import re
 from collections.abc import Mapping
 from importlib import metadata
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from schemas.errors import InvalidRequest
-from schemas.fingerprint import AcceleratorInfo, CpuInfo, HardwareFingerprint, RuntimeVersions
+from schemas.fingerprint import AcceleratorInfo, CpuInfo, HardwareFingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -350,13 +349,9 @@ def detect_accelerators() -> tuple[list[AcceleratorInfo], str | None]:
 
 # -- toolchain versions ---------------------------------------------------------------------
 
-#: Distributions that install TensorRT's Python bindings, in the order they are asked.
-TENSORRT_DISTRIBUTIONS = ("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu11",
-                          "tensorrt-libs")
-ONNXRUNTIME_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu")
-
-
-def _version(*distributions: str) -> str | None:
+def package_version(*distributions: str) -> str | None:
+    """The version of the first of ``distributions`` installed here (package metadata; nothing
+    is imported)."""
     for distribution in distributions:
         try:
             return metadata.version(distribution)
@@ -365,37 +360,16 @@ def _version(*distributions: str) -> str | None:
     return None
 
 
-def onnxruntime_version() -> str | None:
-    """The installed onnxruntime version, from package metadata (nothing is imported)."""
-    return _version(*ONNXRUNTIME_DISTRIBUTIONS)
+def detect_runtimes(cuda: str | None = None) -> dict[str, str | None]:
+    """Installed toolchain versions: each registered executor probes its own runtime, plus the
+    ``onnx`` package, ``cuda`` (the driver's CUDA version, from NVML) and ``kiln``."""
+    from runtime_agent import executors  # the registry imports this module
 
-
-def tensorrt_version() -> str | None:
-    """The installed TensorRT version: package metadata, else — for TensorRT installed from
-    system packages (JetPack's ``python3-libnvinfer``), which carry no Python metadata — the
-    module's ``__version__``, importing it only when it is there."""
-    version = _version(*TENSORRT_DISTRIBUTIONS)
-    if version is not None:
-        return version
-    try:
-        if find_spec("tensorrt") is None:
-            return None
-        import tensorrt
-    except Exception as exc:  # a broken installation is the same as none
-        logger.debug("tensorrt is present but does not import: %s", exc)
-        return None
-    return str(getattr(tensorrt, "__version__", "")) or None
-
-
-def detect_runtimes(cuda: str | None = None) -> RuntimeVersions:
-    """Installed toolchain versions; ``cuda`` is the driver's CUDA version (from NVML)."""
-    return RuntimeVersions(
-        onnxruntime=onnxruntime_version(),
-        onnx=_version("onnx"),
-        tensorrt=tensorrt_version(),
-        cuda=cuda,
-        kiln=_version("kiln"),
-    )
+    runtimes: dict[str, str | None] = {
+        cls.runtime: cls.probe_version() for cls in executors.registered_classes()
+    }
+    runtimes.update(onnx=package_version("onnx"), cuda=cuda, kiln=package_version("kiln"))
+    return runtimes
 
 
 # -- the fingerprint: detected, declared, resolved ------------------------------------------

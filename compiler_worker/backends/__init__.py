@@ -5,7 +5,7 @@ Registering stores an instance; no toolchain is imported until a backend builds.
 
 from __future__ import annotations
 
-from compiler_worker.backends.base import PIPELINE_VERSION, Backend, BuiltEngine
+from compiler_worker.backends.base import PIPELINE_VERSION, Backend, BuiltEngine, Candidate
 from compiler_worker.backends.onnxruntime import OnnxRuntimeBackend
 from compiler_worker.backends.tensorrt import TensorRTBackend
 from schemas.errors import BackendUnavailable, KilnError
@@ -16,10 +16,12 @@ __all__ = [
     "PIPELINE_VERSION",
     "Backend",
     "BuiltEngine",
+    "Candidate",
     "OnnxRuntimeBackend",
     "TensorRTBackend",
     "available",
     "backend_for",
+    "backend_for_key",
     "get",
     "names",
     "register",
@@ -62,8 +64,10 @@ def names() -> list[str]:
     return [name for name, _ in sorted(_REGISTRY.items(), key=lambda kv: -kv[1].priority)]
 
 
-def backend_for(fingerprint: HardwareFingerprint, options: CompileOptions) -> Backend:
-    """The backend that builds ``options`` for hardware like ``fingerprint``.
+def backend_for(fingerprint: HardwareFingerprint, options: CompileOptions,
+                key: str | None = None) -> Backend:
+    """The backend that builds ``options`` for hardware like ``fingerprint`` (and, when given,
+    whose fingerprint key there is ``key``: a job names the key it was queued for).
 
     ``options.backends`` is tried in order; when empty, every registered backend is tried by
     priority. A backend qualifies when it supports the fingerprint and accepts the options.
@@ -79,6 +83,10 @@ def backend_for(fingerprint: HardwareFingerprint, options: CompileOptions) -> Ba
         if not backend.supports(fingerprint):
             reasons[name] = "does not support this hardware fingerprint"
             continue
+        if key is not None and backend.fingerprint_key(fingerprint) != key:
+            reasons[name] = (f"builds {backend.fingerprint_key(fingerprint)!r} here, not "
+                             f"{key!r}")
+            continue
         try:
             backend.check_options(options)
         except KilnError as exc:
@@ -86,12 +94,19 @@ def backend_for(fingerprint: HardwareFingerprint, options: CompileOptions) -> Ba
             continue
         return backend
     raise BackendUnavailable(
-        f"no backend can build these options for this hardware: "
+        f"no backend can build these options for this hardware"
+        f"{f' under key {key!r}' if key else ''}: "
         f"{'; '.join(f'{n}: {r}' for n, r in reasons.items())} "
         f"(requested {list(options.backends) or 'any'}, registered {names()})",
         reasons=reasons,
         registered=names(),
     )
+
+
+def backend_for_key(fingerprint: HardwareFingerprint, options: CompileOptions,
+                    key: str) -> Backend:
+    """``backend_for`` restricted to the backend whose key on ``fingerprint`` is ``key``."""
+    return backend_for(fingerprint, options, key)
 
 
 register(OnnxRuntimeBackend.name, OnnxRuntimeBackend())

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from runtime_agent.executors.base import Executor
+from runtime_agent.executors.base import CustomOpAdapter, Executor
 from runtime_agent.fingerprint import major_minor, slug, version_tuple  # noqa: F401 (re-exported)
-from schemas.errors import CompileError, InvalidRequest
+from schemas.errors import BackendUnavailable, CompileError, InvalidRequest
 from schemas.fingerprint import HardwareFingerprint
 from schemas.options import CompileOptions
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from runtime_agent.plugins import LoadedPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +37,30 @@ def toolchain_string(runtime: str, version: str) -> str:
     return f"{runtime}-{version}+kiln-pipeline-{PIPELINE_VERSION}"
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration a backend can build: what the tuner builds, verifies and measures.
+
+    ``config`` holds the backend's own settings (an optimization level, threads, a
+    quantization scheme); only the backend reads it. ``precision`` names the numerics
+    (``fp32``, ``int8-dynamic``, ...): anything but ``fp32`` is judged by the accuracy gate.
+    ``skip`` says why the candidate cannot be built here (recorded, never built).
+    """
+
+    name: str
+    config: Mapping[str, object] = field(default_factory=dict)
+    precision: str = "fp32"
+    #: Its engine runs on every node of the backend's portable key.
+    portable: bool = False
+    #: It needs representative inputs (static int8 calibration).
+    needs_calibration: bool = False
+    skip: str = ""
+
+    @property
+    def exact(self) -> bool:
+        return self.precision == "fp32"
+
+
 @dataclass
 class BuiltEngine:
     """What a build produced: blobs as (name, path, media type), and how to load them."""
@@ -44,11 +73,14 @@ class BuiltEngine:
 
 
 class Backend(ABC):
-    """A compiler backend. ``build`` validates and checks the result; ``_build`` works.
+    """A compiler backend: with its executor twin, the one place that knows its technology.
 
-    Which hardware an engine runs on is decided once, by the backend's executor twin in
-    ``runtime_agent`` (agents compute the same keys): ``supports``, ``fingerprint_key`` and
-    ``compatible`` delegate to it.
+    ``build`` validates and checks the result; ``_build`` works. Which hardware an engine runs
+    on is decided once, by the executor twin in ``runtime_agent`` (agents compute the same
+    keys): ``supports``, ``fingerprint_key``, ``compatibility_key``, ``portable_key`` and
+    ``compatible`` delegate to it, and so do the custom-op adapter and the plugin ABI.
+    ``candidates`` lists what the tuner may build; the first is the backend's default (what
+    ``tune: off`` builds).
     """
 
     name: ClassVar[str]
@@ -56,6 +88,12 @@ class Backend(ABC):
     executor: ClassVar[type[Executor]]
     #: When a job names no backend, the supporting backend with the highest priority builds.
     priority: ClassVar[int] = 0
+    #: The device its engines run on (the one whose custom-op implementations it needs).
+    device: ClassVar[str] = "cpu"
+
+    @property
+    def accepts_plugins(self) -> bool:
+        return self.executor.supports_plugins
 
     def supports(self, fingerprint: HardwareFingerprint) -> bool:
         """Whether this backend can build for (and run on) hardware like ``fingerprint``."""
@@ -74,28 +112,30 @@ class Backend(ABC):
         """Whether an engine built on ``built_on`` runs correctly on ``node``.
 
         ``runtime_config`` is the artifact manifest's: it says how portable the engine was
-        built (an optimization level, a hardware-compatibility level). Without it a backend
-        answers for the least portable engine it builds.
+        built. Without it a backend answers for the least portable engine it builds.
         """
         return self.executor.compatible(built_on, node, runtime_config)
 
-    def compatibility_key(
-        self,
-        fingerprint: HardwareFingerprint,
-        options: CompileOptions,
-        runtime_config: Mapping[str, object],
-    ) -> str | None:
-        """The coarser key of an engine built on ``fingerprint`` with ``options`` whose
-        executor settings are ``runtime_config`` (recorded as the manifest's
-        ``compatibility_key``): the engine also runs on every node whose compatibility keys for
-        this backend contain it. ``None`` (the default) when only the exact key fits."""
-        return None
+    def compatibility_key(self, fingerprint: HardwareFingerprint,
+                          runtime_config: Mapping[str, object]) -> str | None:
+        """The coarser key of an engine built on ``fingerprint`` whose executor settings are
+        ``runtime_config`` (the manifest's ``compatibility_key``): it also runs on every node
+        whose compatibility keys for this backend contain it. ``None``: only the exact key."""
+        return self.executor.compatibility_key(fingerprint, runtime_config)
 
     def portable_key(self, fingerprint: HardwareFingerprint) -> str | None:
-        """The compatibility key of the most portable engine this backend, as configured,
-        builds on ``fingerprint`` (what a worker advertises for fallback builds); ``None``
-        (the default) when it builds none."""
-        return None
+        """The compatibility key of the most portable engine this backend builds on
+        ``fingerprint`` (what a worker advertises for ``portability: portable`` builds)."""
+        return self.executor.portable_key(fingerprint) if self.supports(fingerprint) else None
+
+    def custom_op_adapter(self, plugins: Sequence[LoadedPlugin],
+                          ops: Iterable[str]) -> CustomOpAdapter | None:
+        """What ``build(custom_ops=...)`` registers for the custom ops ``ops``."""
+        return self.executor.custom_op_adapter(plugins, ops, self.device)
+
+    def plugin_abi(self) -> str | None:
+        """The ABI tag native custom-op libraries must match to load with this backend."""
+        return self.executor.plugin_abi()
 
     @abstractmethod
     def toolchain(self) -> str:
@@ -104,6 +144,14 @@ class Backend(ABC):
     def check_options(self, options: CompileOptions) -> None:  # noqa: B027 - optional hook
         """Raise ``BackendUnavailable`` / ``InvalidOptions`` for options this backend refuses."""
 
+    @abstractmethod
+    def candidates(self, fingerprint: HardwareFingerprint,
+                   options: CompileOptions) -> list[Candidate]:
+        """The configurations the tuner may build for ``options`` on ``fingerprint``, the
+        default first. Each honours ``options.portability`` (only portable ones when asked),
+        ``options.optimization_level`` (when pinned) and ``options.precision`` (only ``fp32``
+        ones when it is ``fp32``). Candidates the hardware cannot run carry ``skip``."""
+
     def build(
         self,
         model_path: Path,
@@ -111,19 +159,39 @@ class Backend(ABC):
         workdir: Path,
         *,
         fingerprint: HardwareFingerprint | None = None,
+        candidate: Candidate | None = None,
+        custom_ops: CustomOpAdapter | None = None,
+        calibration: Sequence[Mapping[str, np.ndarray]] = (),
     ) -> BuiltEngine:
-        """Build an engine from the ONNX file ``model_path`` into ``workdir``.
+        """Build ``candidate`` (default: the backend's default for ``options``) from the ONNX
+        file ``model_path`` (external data beside it) into ``workdir``.
 
         ``fingerprint`` is the worker's own (the build host): backends use it to check the
-        installed toolchain matches it and to key persistent tuning caches.
+        installed toolchain matches it and to key persistent tuning caches. ``custom_ops`` is
+        the adapter from ``custom_op_adapter`` for the model's custom ops; ``calibration`` the
+        representative feeds a candidate with ``needs_calibration`` quantizes with.
         """
         model_path = Path(model_path)
         workdir = Path(workdir)
         if not model_path.is_file():
             raise InvalidRequest(f"{self.name} build: model file {model_path} does not exist")
         self.check_options(options)
+        if candidate is None:
+            if fingerprint is None:
+                raise InvalidRequest(f"{self.name} build: give a candidate or a fingerprint")
+            candidate = self.candidates(fingerprint, options)[0]
+        if candidate.skip:
+            raise InvalidRequest(f"{self.name} candidate {candidate.name} cannot be built here: "
+                                 f"{candidate.skip}")
+        if candidate.needs_calibration and not calibration:
+            raise InvalidRequest(f"{self.name} candidate {candidate.name} needs calibration "
+                                 f"data; none was given")
+        if custom_ops is not None and not self.accepts_plugins:
+            raise BackendUnavailable(f"the {self.name} backend builds no custom ops")
         workdir.mkdir(parents=True, exist_ok=True)
-        built = self._build(model_path, options, workdir, fingerprint=fingerprint)
+        built = self._build(model_path, options, workdir, fingerprint=fingerprint,
+                            candidate=candidate, custom_ops=custom_ops,
+                            calibration=list(calibration))
         names = [name for name, _, _ in built.blobs]
         if not names or len(set(names)) != len(names):
             raise CompileError(f"{self.name} build returned blobs {names}; expected unique names")
@@ -134,7 +202,7 @@ class Backend(ABC):
                 )
         if not built.toolchain:
             built.toolchain = self.toolchain()
-        logger.info("%s built %s (%s)", self.name, names, built.toolchain)
+        logger.info("%s built %s %s (%s)", self.name, candidate.name, names, built.toolchain)
         return built
 
     @abstractmethod
@@ -145,5 +213,8 @@ class Backend(ABC):
         workdir: Path,
         *,
         fingerprint: HardwareFingerprint | None,
+        candidate: Candidate,
+        custom_ops: CustomOpAdapter | None,
+        calibration: list[Mapping[str, np.ndarray]],
     ) -> BuiltEngine:
         """Do the build; write every blob under ``workdir``."""

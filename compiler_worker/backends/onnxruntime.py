@@ -1,71 +1,130 @@
-"""ONNX Runtime (CPU) backend: saves the model onnxruntime optimized at the requested level.
+"""ONNX Runtime (CPU) backend: saves the model onnxruntime optimized, at the configuration the
+tuner picked.
 
 Levels: 0 ``ORT_DISABLE_ALL``, 1 ``ORT_ENABLE_BASIC``, 2 ``ORT_ENABLE_EXTENDED``,
 3 ``ORT_ENABLE_ALL``.
 
+Candidates (``candidates``), the default first:
+
+- fp32 at levels 3, 1 and 2 (sequential execution, onnxruntime's default intra-op threads),
+  level 3 with parallel execution, and level 3 on one intra-op thread (tiny models lose more
+  to thread hand-offs than they gain);
+- where the precision policy allows it: ``int8-dynamic`` (``quantize_dynamic``, weights int8
+  per tensor, activations quantized at run time) and ``int8-static-qdq`` (``quantize_static``
+  in QDQ format with per-channel weights, calibrated on the calibration dataset, or on the
+  samples when no calibration set is given); on CPUs without VNNI, weights use the reduced
+  7-bit range that keeps AVX2's ``vpmaddubsw`` from saturating;
+- ``bf16-fastmath`` on aarch64 CPUs with bf16 instructions (MLAS's bf16 GEMM). onnxruntime's
+  CPU provider has no bf16 or fp16 GEMM on x86-64, so those candidates are recorded as
+  skipped there rather than built as something else.
+
+``portability: portable`` keeps levels 0–2 only. ``optimization_level``, when given, pins the
+level.
+
 Portability. Basic and extended optimizations rewrite the graph with standard ONNX ops and
-onnxruntime's own contrib ops (``FusedConv``, ``LayerNormalization``, ...): the saved model runs
-on any CPU of the same architecture under the same onnxruntime ``major.minor``. Level 3 adds
-layout optimizations (``com.microsoft.nchwc`` blocked convolutions whose block size follows the
-vector width) — onnxruntime warns that such a model "should only be used in the same environment
-the model was optimized in". Hence the fingerprint key carries the ISA class, and
-``compatible()`` asks for the exact key at level 3; engines of levels 0–2 carry the
-compatibility key ``ort-cpu-<arch>-portable-ort<major.minor>``. These rules (``supports``,
-``fingerprint_key``, ``compatibility_key``, ``compatible``) are defined once, in the executor
-twin ``runtime_agent.executors.onnxruntime``, so an agent computes the same keys.
+onnxruntime's own contrib ops (``FusedConv``, ``LayerNormalization``, ``QLinearConv``...): the
+saved model runs on any CPU of the same architecture under the same onnxruntime
+``major.minor``. Level 3 adds layout optimizations (``com.microsoft.nchwc`` blocked
+convolutions whose block size follows the vector width) — onnxruntime warns that such a model
+"should only be used in the same environment the model was optimized in". Hence the
+fingerprint key carries the ISA class. These rules are defined once, in the executor twin
+``runtime_agent.executors.onnxruntime``, so an agent computes the same keys.
 
 Loading. The saved engine already is the optimized graph, so ``runtime_config`` tells the
 executor to load it with ``ORT_DISABLE_ALL`` (``graph_optimization_level: 0``): re-optimizing at
 load time would cost start-up time and run a graph other than the one Kiln verified. The level
-the engine was built at is kept as ``optimization_level``.
-
-Precision: this backend builds fp32 engines only; fp16/bf16 on CPU are refused with
-``BackendUnavailable`` rather than silently built as fp32.
+the engine was built at is kept as ``optimization_level``. Engines over 1.5 GB keep their
+initializers in a second blob, ``engine.onnx.data`` (protobuf's 2 GB limit).
 
 Custom ops. ``build(..., custom_ops=SessionCustomOps)`` registers the plugins' Python kernels
 (through onnxruntime-extensions) and native libraries with the optimizing session, exactly as
 the executor will, and records them in ``runtime_config["custom_ops"]``. onnxruntime keeps
 custom nodes as they are: its fusions match only the operators they know, so none crosses a
-custom node, while constant folding and fusions around it still apply.
+custom node, while constant folding and fusions around it still apply. Models with custom ops
+are not quantized (the quantizer cannot see through an op it does not know).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from compiler_worker.backends.base import Backend, BuiltEngine, major_minor, toolchain_string
-from runtime_agent.executors.onnxruntime import OnnxRuntimeExecutor
-from runtime_agent.fingerprint import onnxruntime_version
-from schemas.errors import BackendUnavailable, CompileError, FingerprintMismatch
+from compiler_worker.backends.base import (
+    Backend,
+    BuiltEngine,
+    Candidate,
+    major_minor,
+    toolchain_string,
+)
+from runtime_agent.executors.base import CustomOpAdapter
+from runtime_agent.executors.onnxruntime import (
+    ENGINE_MEDIA_TYPE,
+    OnnxRuntimeExecutor,
+)
+from runtime_agent.executors.onnxruntime import (
+    HARDWARE_SPECIFIC_LEVEL as HARDWARE_SPECIFIC,
+)
+from schemas.errors import (
+    BackendUnavailable,
+    CompileError,
+    FingerprintMismatch,
+    InvalidOptions,
+    KilnError,
+)
 from schemas.fingerprint import HardwareFingerprint
-from schemas.options import CompileOptions, Precision
+from schemas.options import CompileOptions, Portability, Precision
 
 if TYPE_CHECKING:
-    from runtime_agent.plugins.onnxruntime import SessionCustomOps
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
-#: The custom ops of the build in progress (``build(custom_ops=...)`` → ``_build``).
-_CUSTOM_OPS: ContextVar[SessionCustomOps | None] = ContextVar("kiln_ort_custom_ops",
-                                                                default=None)
-
 PROVIDERS = ["CPUExecutionProvider"]
-ENGINE_MEDIA_TYPE = "application/x-onnx"
 LEVEL_NAMES = {
     0: "ORT_DISABLE_ALL",
     1: "ORT_ENABLE_BASIC",
     2: "ORT_ENABLE_EXTENDED",
     3: "ORT_ENABLE_ALL",
 }
+#: Models whose file and external data exceed this are saved with external data too.
+EXTERNAL_DATA_THRESHOLD = 1_500_000_000
+ENGINE_DATA_BLOB = "engine.onnx.data"
+_INT8 = (Precision.AUTO, Precision.INT8)
 
 
 def installed_version() -> str | None:
     """The onnxruntime version installed here (package metadata; nothing is imported)."""
-    return onnxruntime_version()
+    return OnnxRuntimeExecutor.probe_version()
+
+
+def _model_bytes_on_disk(model_path: Path) -> int:
+    """The model file plus every external-data file beside it that it names."""
+    import onnx
+
+    total = model_path.stat().st_size
+    model = onnx.load(str(model_path), load_external_data=False)
+    locations = {
+        entry.value
+        for tensor in _initializers(model.graph)
+        for entry in tensor.external_data if entry.key == "location"
+    }
+    for location in locations:
+        path = model_path.parent / location
+        if path.is_file():
+            total += path.stat().st_size
+    return total
+
+
+def _initializers(graph):
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.g is not None and attribute.g.ByteSize():
+                yield from _initializers(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from _initializers(subgraph)
 
 
 class OnnxRuntimeBackend(Backend):
@@ -74,42 +133,7 @@ class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     executor = OnnxRuntimeExecutor
     priority = 10
-    #: The device this backend builds for (the one whose custom-op implementations it needs).
     device = "cpu"
-    accepts_plugins = True
-
-    def build(
-        self,
-        model_path: Path,
-        options: CompileOptions,
-        workdir: Path,
-        *,
-        fingerprint: HardwareFingerprint | None = None,
-        custom_ops: SessionCustomOps | None = None,
-    ) -> BuiltEngine:
-        """``Backend.build``, with the model's custom ops registered in the session."""
-        token = _CUSTOM_OPS.set(custom_ops)
-        try:
-            return super().build(model_path, options, workdir, fingerprint=fingerprint)
-        finally:
-            _CUSTOM_OPS.reset(token)
-
-    def compatibility_key(
-        self,
-        fingerprint: HardwareFingerprint,
-        options: CompileOptions,
-        runtime_config: Mapping[str, object],
-    ) -> str | None:
-        """The build host's portable key (``ort-cpu-<arch>-portable-ort<major.minor>``) for
-        levels 0–2, ``None`` for level 3; the level is ``runtime_config``'s
-        ``optimization_level`` (``options.optimization_level`` when absent)."""
-        config = {"optimization_level": options.optimization_level, **runtime_config}
-        return OnnxRuntimeExecutor.compatibility_key(fingerprint, config)
-
-    def portable_key(self, fingerprint: HardwareFingerprint) -> str | None:
-        """``ort-cpu-<arch>-portable-ort<major.minor>``: engines of levels 0–2 carry it."""
-        return OnnxRuntimeExecutor.portable_key(fingerprint) if self.supports(fingerprint) \
-            else None
 
     def toolchain(self) -> str:
         version = installed_version()
@@ -118,14 +142,59 @@ class OnnxRuntimeBackend(Backend):
         return toolchain_string(self.name, version)
 
     def check_options(self, options: CompileOptions) -> None:
-        if options.precision is not Precision.FP32:
+        if options.precision in (Precision.FP16,):
             raise BackendUnavailable(
-                f"the {self.name} CPU backend builds fp32 engines only; precision "
-                f"{options.precision.value} was requested (use precision fp32, or a GPU backend "
-                f"such as tensorrt for fp16/bf16)",
+                f"the {self.name} CPU backend builds no fp16 engines (its CPU provider has "
+                f"no fp16 GEMM); use precision fp32, auto, int8 or bf16 (aarch64 with bf16), or "
+                f"a GPU backend",
                 precision=options.precision.value,
-                supported=[Precision.FP32.value],
+                supported=[p.value for p in Precision if p is not Precision.FP16],
             )
+
+    def candidates(self, fingerprint: HardwareFingerprint,
+                   options: CompileOptions) -> list[Candidate]:
+        portable = options.portability is Portability.PORTABLE
+        if options.optimization_level is not None:
+            levels = [options.optimization_level]
+        else:
+            levels = [2, 1] if portable else [3, 1, 2]
+        levels = [level for level in levels if not (portable and level >= HARDWARE_SPECIFIC)]
+        if not levels:
+            raise InvalidOptions(
+                f"optimization_level {options.optimization_level} saves a hardware-specific "
+                f"model, which portability: portable excludes; use a level up to "
+                f"{HARDWARE_SPECIFIC - 1}, or portability: exact")
+        top = levels[0]
+        found: list[Candidate] = []
+
+        def add(name: str, level: int, precision: str = "fp32", skip: str = "",
+                needs_calibration: bool = False, **config: object) -> None:
+            found.append(Candidate(
+                name=f"{self.name}/{name}", precision=precision, skip=skip,
+                portable=level < HARDWARE_SPECIFIC, needs_calibration=needs_calibration,
+                config={"optimization_level": level, **config}))
+
+        if options.precision in (Precision.FP32, Precision.AUTO):
+            for level in levels:
+                add(f"l{level}", level)
+            add(f"l{top}-parallel", top, execution_mode="parallel")
+            add(f"l{top}-1thread", top, intra_op_num_threads=1)
+        features = set(fingerprint.cpu.features)
+        if options.precision in _INT8:
+            vnni = bool(features & {"avx512_vnni", "avx_vnni", "amx_int8", "i8mm", "asimddp",
+                                    "dotprod"})
+            add(f"int8-dynamic-l{top}", top, "int8-dynamic", quantize="dynamic")
+            add(f"int8-static-qdq-l{top}", top, "int8-static-qdq", quantize="static-qdq",
+                needs_calibration=True, reduce_range=not vnni)
+        if options.precision in (Precision.AUTO, Precision.BF16):
+            arm_bf16 = fingerprint.cpu.arch == "aarch64" and "bf16" in features
+            add(f"bf16-fastmath-l{top}", top, "bf16-fastmath", bf16_fastmath=True,
+                skip="" if arm_bf16 else (
+                    "onnxruntime's CPU provider has bf16 GEMM only on aarch64 CPUs with bf16 "
+                    f"instructions; this is {fingerprint.cpu.arch} with "
+                    f"{'bf16' if 'bf16' in features or 'avx512_bf16' in features else 'no bf16'}"
+                ))
+        return found
 
     def _build(
         self,
@@ -134,57 +203,142 @@ class OnnxRuntimeBackend(Backend):
         workdir: Path,
         *,
         fingerprint: HardwareFingerprint | None,
+        candidate: Candidate,
+        custom_ops: CustomOpAdapter | None,
+        calibration: list[Mapping[str, np.ndarray]],
     ) -> BuiltEngine:
         import onnxruntime as ort
 
         if fingerprint is not None:
-            declared = major_minor(fingerprint.runtimes.onnxruntime)
+            declared = major_minor(fingerprint.runtimes.get(self.executor.runtime))
             if declared != major_minor(ort.__version__):
                 raise FingerprintMismatch(
                     f"the build fingerprint declares onnxruntime "
-                    f"{fingerprint.runtimes.onnxruntime}, but this worker runs onnxruntime "
-                    f"{ort.__version__}; an engine built here would carry the wrong key"
+                    f"{fingerprint.runtimes.get(self.executor.runtime)}, but this worker runs "
+                    f"onnxruntime {ort.__version__}; an engine built here would carry the wrong "
+                    f"key"
                 )
         if "CPUExecutionProvider" not in ort.get_available_providers():
             raise BackendUnavailable(
                 f"Requested providers were: {PROVIDERS}, but available providers are: "
                 f"{ort.get_available_providers()}"
             )
-        level = options.optimization_level
+        config = dict(candidate.config)
+        level = int(config["optimization_level"])  # type: ignore[call-overload]
+        quantize = config.get("quantize")
+        if quantize is not None:
+            if custom_ops is not None:
+                raise CompileError(f"{candidate.name}: models with custom ops are not quantized")
+            model_path = _quantize(model_path, workdir, str(quantize), calibration,
+                                   reduce_range=bool(config.get("reduce_range")))
         engine_path = workdir / "engine.onnx"
         session_options = ort.SessionOptions()
         session_options.graph_optimization_level = getattr(
             ort.GraphOptimizationLevel, LEVEL_NAMES[level]
         )
         session_options.optimized_model_filepath = str(engine_path)
+        external = _model_bytes_on_disk(model_path) > EXTERNAL_DATA_THRESHOLD
+        if external:
+            session_options.add_session_config_entry(
+                "session.optimized_model_external_initializers_file_name", ENGINE_DATA_BLOB)
+            session_options.add_session_config_entry(
+                "session.optimized_model_external_initializers_min_size_in_bytes", "1024")
         # Level 3 makes onnxruntime warn that the saved model is hardware-specific; that is
         # by design here (see the module docstring), so only errors are logged.
         session_options.log_severity_level = 3
-        custom_ops = _CUSTOM_OPS.get()
-        if custom_ops:
+        if custom_ops is not None:
             custom_ops.apply(session_options)
         try:
             ort.InferenceSession(str(model_path), session_options, providers=PROVIDERS)
         except Exception as exc:  # onnxruntime raises its own untyped errors
             raise CompileError(
-                f"onnxruntime {ort.__version__} could not build the model at level {level} "
-                f"({LEVEL_NAMES[level]}): {exc}",
-                optimization_level=level,
+                f"onnxruntime {ort.__version__} could not build {candidate.name} (level {level}, "
+                f"{LEVEL_NAMES[level]}): {exc}",
+                optimization_level=level, candidate=candidate.name,
             ) from exc
-        logger.info("onnxruntime saved the %s model to %s", LEVEL_NAMES[level], engine_path)
+        logger.info("onnxruntime saved %s to %s", candidate.name, engine_path)
         runtime_config: dict[str, object] = {
             "graph_optimization_level": 0,
             "optimization_level": level,
             "providers": list(PROVIDERS),
+            "precision": candidate.precision,
         }
-        if custom_ops:
+        for key in ("intra_op_num_threads", "execution_mode"):
+            if key in config:
+                runtime_config[key] = config[key]
+        if config.get("bf16_fastmath"):
+            runtime_config["session_config"] = {"mlas.enable_gemm_fastmath_arm64_bfloat16": "1"}
+        blobs = [("engine", engine_path, ENGINE_MEDIA_TYPE)]
+        if external and (workdir / ENGINE_DATA_BLOB).is_file():
+            blobs.append((ENGINE_DATA_BLOB, workdir / ENGINE_DATA_BLOB,
+                          "application/octet-stream"))
+        if custom_ops is not None:
             runtime_config["custom_ops"] = custom_ops.runtime_config()
             _check_custom_nodes(model_path, engine_path)
         return BuiltEngine(
-            blobs=[("engine", engine_path, ENGINE_MEDIA_TYPE)],
+            blobs=blobs,
             runtime_config=runtime_config,
             toolchain=toolchain_string(self.name, ort.__version__),
         )
+
+
+class _Feeds:
+    """``onnxruntime.quantization.CalibrationDataReader`` over a list of feeds."""
+
+    def __init__(self, feeds: list[Mapping[str, np.ndarray]]) -> None:
+        self._feeds = iter(feeds)
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        feed = next(self._feeds, None)
+        return None if feed is None else dict(feed)
+
+    def rewind(self) -> None:  # pragma: no cover - called by some calibrators only
+        pass
+
+
+def _quantize(model_path: Path, workdir: Path, scheme: str,
+              calibration: list[Mapping[str, np.ndarray]], *, reduce_range: bool) -> Path:
+    """The int8 model of ``scheme`` (``dynamic`` or ``static-qdq``), written in ``workdir``."""
+    from onnxruntime.quantization import (
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    source = model_path
+    preprocessed = workdir / "preprocessed.onnx"
+    external = _model_bytes_on_disk(model_path) > EXTERNAL_DATA_THRESHOLD
+    try:  # onnxruntime's recommended pre-processing: shape inference and basic fusions
+        quant_pre_process(str(model_path), str(preprocessed), skip_symbolic_shape=True,
+                          save_as_external_data=external)
+        source = preprocessed
+    except Exception as exc:  # its own untyped errors; quantizing the model as is still works
+        logger.info("quantization pre-processing skipped: %s", exc)
+    quantized = workdir / f"int8-{scheme}.onnx"
+    try:
+        if scheme == "dynamic":
+            quantize_dynamic(str(source), str(quantized), weight_type=QuantType.QInt8,
+                             reduce_range=reduce_range, use_external_data_format=external)
+        elif scheme == "static-qdq":
+            reader = _Feeds(calibration)
+            quantize_static(
+                str(source), str(quantized), reader, quant_format=QuantFormat.QDQ,
+                per_channel=True, reduce_range=reduce_range,
+                activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                use_external_data_format=external,
+                extra_options={"CalibMovingAverage": False},
+            )
+        else:
+            raise InvalidOptions(f"unknown quantization scheme {scheme!r}; expected dynamic or "
+                                 f"static-qdq")
+    except KilnError:
+        raise
+    except Exception as exc:  # the quantizer raises its own untyped errors
+        raise CompileError(f"onnxruntime's quantizer could not make the int8-{scheme} model: "
+                           f"{type(exc).__name__}: {exc}") from exc
+    return quantized
 
 
 def _custom_node_counts(path: Path) -> dict[str, int]:

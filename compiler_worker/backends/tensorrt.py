@@ -7,13 +7,17 @@ needs a GPU and TensorRT, and nothing here ever fakes an engine.
 
 - Network: ``OnnxParser.parse_from_file`` (external data resolves next to the model); TensorRT
   before 10 needs the ``EXPLICIT_BATCH`` creation flag, TensorRT 10 is always explicit-batch.
-- Precision: fp32 by default; ``fp16``/``bf16`` set the builder flag of that name.
+- Candidates: fp32 at builder optimization level 3 (the default), and level 5 (the widest
+  tactic search) when the tuning budget allows; where the precision policy allows reduced
+  precision, ``fp16`` and ``bf16`` (builder flags of that name), judged by the accuracy gate.
+  Implicit int8 calibration is deprecated in TensorRT 10; int8 is recorded as skipped.
 - Dynamic inputs: one optimization profile from ``options.shapes`` (min/opt/max).
 - Timing cache: loaded from and saved to ``<timing_cache_dir>/<fingerprint key>.cache``.
-- Portability (``hardware_compatibility``, ``version_compatible``) is a worker setting today:
-  ``CompileOptions`` has no field for it. It is recorded in ``runtime_config``, turned into the
-  manifest's ``compatibility_key`` and honoured by ``compatible()``. The key and compatibility
-  rules are the executor twin's (``runtime_agent.executors.tensorrt``); this class delegates.
+- Portability comes from ``options.portability``: ``portable`` builds hardware-compatible
+  (``ampere_plus``) and version-compatible plans. It is recorded in ``runtime_config``, turned
+  into the manifest's ``compatibility_key`` and honoured by ``compatible()``. The key and
+  compatibility rules are the executor twin's (``runtime_agent.executors.tensorrt``); this
+  class delegates.
 """
 
 from __future__ import annotations
@@ -23,18 +27,21 @@ import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from compiler_worker.backends.base import (
     Backend,
     BuiltEngine,
+    Candidate,
     major_minor,
     toolchain_string,
     version_tuple,
 )
+from runtime_agent.executors.base import CustomOpAdapter
 from runtime_agent.executors.tensorrt import (
     AMPERE,
     COMPAT_MIN_TRT,
+    ENGINE_MEDIA_TYPE,
     HARDWARE_COMPATIBILITY_LEVELS,
     TensorRTExecutor,
     compute_capability,
@@ -42,16 +49,17 @@ from runtime_agent.executors.tensorrt import (
     is_integrated,
     logging_bridge,
 )
-from runtime_agent.fingerprint import tensorrt_version
 from schemas.errors import BackendUnavailable, CompileError, FingerprintMismatch, InvalidOptions
 from schemas.fingerprint import HardwareFingerprint
-from schemas.options import CompileOptions, Precision
+from schemas.options import CompileOptions, Portability, Precision
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "ENGINE_MEDIA_TYPE",
     "HARDWARE_COMPATIBILITY_LEVELS",
     "TensorRTBackend",
-    "builder_optimization_level",
     "compute_capability",
     "cuda_device",
     "profile_shapes",
@@ -59,7 +67,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-ENGINE_MEDIA_TYPE = "application/x-tensorrt-plan"
 
 
 def profile_shapes(
@@ -105,98 +112,98 @@ def profile_shapes(
     return profiles
 
 
-def builder_optimization_level(options: CompileOptions) -> int:
-    """TensorRT's builder optimization level (0–5, default 3) for Kiln's options.
-
-    Kiln levels 0/1/2/3 map to 0/2/3/3; a tuning budget above zero at level 3 asks for level 5
-    (the widest tactic search). TensorRT has no time budget of its own.
-    """
-    level = {0: 0, 1: 2, 2: 3, 3: 3}[options.optimization_level]
-    if options.optimization_level == 3 and options.tuning_budget_s > 0:
-        level = 5
-    return level
+#: Budget (seconds) above which the tuner also tries TensorRT's widest tactic search.
+WIDE_SEARCH_BUDGET_S = 120
 
 
 class TensorRTBackend(Backend):
     """NVIDIA GPUs with TensorRT. Keyed by compute capability, GPU model and TensorRT version.
 
     Constructor settings are the worker's: where timing caches persist, the builder workspace
-    (default: half the GPU's memory), the portability of the plans, plugin libraries to load.
+    (default: half the GPU's memory), plugin libraries to load.
     """
 
     name = "tensorrt"
     executor = TensorRTExecutor
     priority = 100
+    device = "cuda"
 
     def __init__(
         self,
         *,
         timing_cache_dir: Path | None = None,
         workspace_bytes: int | None = None,
-        hardware_compatibility: str = "none",
-        version_compatible: bool = False,
         plugin_libraries: Sequence[Path] = (),
     ) -> None:
-        if hardware_compatibility not in HARDWARE_COMPATIBILITY_LEVELS:
-            raise InvalidOptions(
-                f"hardware_compatibility must be one of {sorted(HARDWARE_COMPATIBILITY_LEVELS)}; "
-                f"got {hardware_compatibility!r}"
-            )
         self.timing_cache_dir = Path(timing_cache_dir) if timing_cache_dir else None
         self.workspace_bytes = workspace_bytes
-        self.hardware_compatibility = hardware_compatibility
-        self.version_compatible = version_compatible
         self.plugin_libraries = [Path(p) for p in plugin_libraries]
 
     # -- pure logic: the rules live once, in the executor twin --------------------------------
 
-    def compatibility_key(
-        self,
-        fingerprint: HardwareFingerprint,
-        options: CompileOptions,
-        runtime_config: Mapping[str, object],
-    ) -> str | None:
-        """See ``TensorRTExecutor.compatibility_key``: set for plans built with a hardware
-        compatibility level (or version compatibility), from ``runtime_config``."""
-        return TensorRTExecutor.compatibility_key(fingerprint, runtime_config)
-
-    def portable_key(self, fingerprint: HardwareFingerprint) -> str | None:
-        """The compatibility key of this worker's plans (its ``hardware_compatibility`` and
-        ``version_compatible`` settings); ``None`` when it builds default plans."""
-        if not self.supports(fingerprint):
-            return None
-        options = CompileOptions()
-        return self.compatibility_key(fingerprint, options, self.runtime_config(options, {}))
-
     def toolchain(self) -> str:
-        """The TensorRT version, plus the portability settings: they change the plan (and its
-        compatibility key), so they are part of the cache key."""
-        version = tensorrt_version()
+        version = TensorRTExecutor.probe_version()
         if version is None:
             raise BackendUnavailable("TensorRT is not installed on this worker")
-        toolchain = toolchain_string(self.name, version)
-        if self.hardware_compatibility != "none":
-            toolchain += f"+hw-{self.hardware_compatibility}"
-        if self.version_compatible:
-            toolchain += "+version-compatible"
-        return toolchain
+        return toolchain_string(self.name, version)
 
-    def runtime_config(self, options: CompileOptions,
+    @staticmethod
+    def portability_settings(options: CompileOptions) -> tuple[str, bool]:
+        """(hardware compatibility level, version compatible) for ``options.portability``."""
+        if options.portability is Portability.PORTABLE:
+            return "ampere_plus", True
+        return "none", False
+
+    def candidates(self, fingerprint: HardwareFingerprint,
+                   options: CompileOptions) -> list[Candidate]:
+        hardware, version_compatible = self.portability_settings(options)
+        portable = options.portability is Portability.PORTABLE
+        base = {"hardware_compatibility_level": hardware,
+                "version_compatible": version_compatible}
+        levels = {0: [0], 1: [2], 2: [3], 3: [3, 5]}[
+            3 if options.optimization_level is None else options.optimization_level]
+        if options.tuning_budget_s < WIDE_SEARCH_BUDGET_S:
+            levels = levels[:1]
+        found: list[Candidate] = []
+        precisions: list[str] = []
+        if options.precision in (Precision.FP32, Precision.AUTO):
+            precisions.append("fp32")
+        if options.precision in (Precision.FP16, Precision.AUTO):
+            precisions.append("fp16")
+        if options.precision in (Precision.BF16, Precision.AUTO):
+            precisions.append("bf16")
+        for precision in precisions:
+            for level in levels:
+                found.append(Candidate(
+                    name=f"{self.name}/{precision}-o{level}", precision=precision,
+                    portable=portable,
+                    config={**base, "precision": precision, "builder_optimization_level": level},
+                ))
+        if options.precision in (Precision.INT8, Precision.AUTO):
+            found.append(Candidate(
+                name=f"{self.name}/int8", precision="int8", portable=portable,
+                skip="TensorRT 10 deprecates implicit int8 calibration; Kiln builds int8 with "
+                     "TensorRT from QDQ models only, which this version does not produce",
+            ))
+        return found
+
+    def runtime_config(self, candidate: Candidate,
                        profiles: Mapping[str, tuple[Any, Any, Any]]) -> dict[str, object]:
-        """What the TensorRT executor needs to know about a plan built with these settings."""
+        """What the TensorRT executor needs to know about a plan built as ``candidate``."""
+        config = candidate.config
         return {
-            "precision": options.precision.value,
-            "hardware_compatibility_level": self.hardware_compatibility,
-            "version_compatible": self.version_compatible,
-            "builder_optimization_level": builder_optimization_level(options),
+            "precision": config.get("precision", "fp32"),
+            "hardware_compatibility_level": config.get("hardware_compatibility_level", "none"),
+            "version_compatible": bool(config.get("version_compatible", False)),
+            "builder_optimization_level": config.get("builder_optimization_level", 3),
             "profiles": {name: [list(s) for s in shapes] for name, shapes in profiles.items()},
             "plugin_libraries": [p.name for p in self.plugin_libraries],
         }
 
     def check_options(self, options: CompileOptions) -> None:
-        if options.precision not in (Precision.FP32, Precision.FP16, Precision.BF16):
+        if options.precision is Precision.INT8:
             raise BackendUnavailable(
-                f"the {self.name} backend builds fp32, fp16 and bf16; got "
+                f"the {self.name} backend builds fp32, fp16 and bf16 (or auto); got "
                 f"{options.precision.value}"
             )
 
@@ -215,6 +222,9 @@ class TensorRTBackend(Backend):
         workdir: Path,
         *,
         fingerprint: HardwareFingerprint | None,
+        candidate: Candidate,
+        custom_ops: CustomOpAdapter | None,
+        calibration: list[Mapping[str, np.ndarray]],
     ) -> BuiltEngine:
         try:
             import tensorrt as trt
@@ -222,23 +232,26 @@ class TensorRTBackend(Backend):
             raise BackendUnavailable(f"TensorRT is not installed on this worker: {exc}") from exc
 
         trt_version = version_tuple(trt.__version__)
-        if fingerprint is not None and major_minor(fingerprint.runtimes.tensorrt) != major_minor(
-            trt.__version__
-        ):
+        declared = fingerprint.runtimes.get(self.executor.runtime) if fingerprint else None
+        if fingerprint is not None and major_minor(declared) != major_minor(trt.__version__):
             raise FingerprintMismatch(
-                f"the build fingerprint declares TensorRT {fingerprint.runtimes.tensorrt}, but "
-                f"this worker runs TensorRT {trt.__version__}"
+                f"the build fingerprint declares TensorRT {declared}, but this worker runs "
+                f"TensorRT {trt.__version__}"
             )
+        settings = self.runtime_config(candidate, {})
+        hardware_compatibility = str(settings["hardware_compatibility_level"])
+        version_compatible = bool(settings["version_compatible"])
+        precision = str(settings["precision"])
         device = cuda_device(fingerprint) if fingerprint is not None else None
-        if device is not None and self.hardware_compatibility != "none":
+        if device is not None and hardware_compatibility != "none":
             cc = compute_capability(device) or (0, 0)
             if is_integrated(device) or cc < AMPERE:
                 raise BackendUnavailable(
-                    f"TensorRT builds hardware-compatible ({self.hardware_compatibility}) plans "
+                    f"TensorRT builds hardware-compatible ({hardware_compatibility}) plans "
                     f"on discrete GPUs of compute capability >= 8.0 only (not on Jetson / "
                     f"DRIVE); this worker's GPU is {device.name} ({device.compute_capability})"
                 )
-        if (self.hardware_compatibility != "none" or self.version_compatible) and \
+        if (hardware_compatibility != "none" or version_compatible) and \
                 trt_version < COMPAT_MIN_TRT:
             raise BackendUnavailable(
                 f"hardware/version compatibility needs TensorRT >= 8.6; this worker runs "
@@ -268,20 +281,20 @@ class TensorRTBackend(Backend):
             workspace = device.memory_bytes // 2
         if workspace:
             config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace))
-        if options.precision is Precision.FP16:
+        if precision == "fp16":
             config.set_flag(trt.BuilderFlag.FP16)
-        elif options.precision is Precision.BF16:
+        elif precision == "bf16":
             if not hasattr(trt.BuilderFlag, "BF16"):
                 raise BackendUnavailable(f"TensorRT {trt.__version__} has no bf16 support")
             config.set_flag(trt.BuilderFlag.BF16)
         if hasattr(config, "builder_optimization_level"):  # TensorRT >= 8.6
-            config.builder_optimization_level = builder_optimization_level(options)
-        if self.hardware_compatibility != "none":
+            config.builder_optimization_level = int(settings["builder_optimization_level"])
+        if hardware_compatibility != "none":
             config.hardware_compatibility_level = getattr(
                 trt.HardwareCompatibilityLevel,
-                HARDWARE_COMPATIBILITY_LEVELS[self.hardware_compatibility],
+                HARDWARE_COMPATIBILITY_LEVELS[hardware_compatibility],
             )
-        if self.version_compatible:
+        if version_compatible:
             config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
 
         network_inputs = [
@@ -315,7 +328,7 @@ class TensorRTBackend(Backend):
             _write_atomically(cache_path, memoryview(config.get_timing_cache().serialize()))
         return BuiltEngine(
             blobs=[("engine", engine_path, ENGINE_MEDIA_TYPE)],
-            runtime_config=self.runtime_config(options, profiles),
+            runtime_config=self.runtime_config(candidate, profiles),
             toolchain=toolchain_string(self.name, trt.__version__),
         )
 

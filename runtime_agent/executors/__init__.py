@@ -10,7 +10,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from runtime_agent.executors.base import MANIFEST_FILENAME, Executor, blob_filename
+from runtime_agent.executors.base import (
+    MANIFEST_FILENAME,
+    MEDIA_TYPE_EXTENSIONS,
+    CustomOpAdapter,
+    Executor,
+    blob_filename,
+)
 from runtime_agent.executors.onnxruntime import OnnxRuntimeExecutor
 from runtime_agent.executors.tensorrt import TensorRTExecutor
 from runtime_agent.plugins import LoadedPlugin, load_bundle
@@ -20,6 +26,7 @@ from schemas.manifest import ArtifactManifest
 
 __all__ = [
     "MANIFEST_FILENAME",
+    "CustomOpAdapter",
     "Executor",
     "OnnxRuntimeExecutor",
     "TensorRTExecutor",
@@ -31,19 +38,28 @@ __all__ = [
     "node_fingerprint_keys",
     "register",
     "registered",
+    "registered_classes",
 ]
 
 _REGISTRY: dict[str, type[Executor]] = {}
 
 
 def register(name: str, cls: type[Executor]) -> None:
-    """Register an executor class for backend ``name``; a duplicate name raises ``ValueError``."""
+    """Register an executor class for backend ``name`` (and its blobs' media types); a duplicate
+    name or a media type another executor claims with another extension raises ``ValueError``."""
     if name in _REGISTRY:
         raise ValueError(
             f"an executor is already registered for backend {name!r}: "
             f"{_REGISTRY[name].__qualname__}"
         )
+    for media_type, extension in cls.media_types.items():
+        if MEDIA_TYPE_EXTENSIONS.get(media_type, extension) != extension:
+            raise ValueError(
+                f"media type {media_type!r} of {cls.__qualname__} is already stored as "
+                f"{MEDIA_TYPE_EXTENSIONS[media_type]!r}, not {extension!r}"
+            )
     _REGISTRY[name] = cls
+    MEDIA_TYPE_EXTENSIONS.update(cls.media_types)
 
 
 def get(name: str) -> type[Executor]:
@@ -64,11 +80,17 @@ def registered() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def registered_classes() -> list[type[Executor]]:
+    """Executor classes, most preferred first."""
+    return sorted(_REGISTRY.values(), key=lambda cls: (-cls.preference, cls.backend))
+
+
 def node_fingerprint_keys(fingerprint: HardwareFingerprint) -> dict[str, str]:
-    """Backend name → this node's fingerprint key, for every executor that supports it."""
+    """Backend name → this node's fingerprint key, for every executor that supports it, in the
+    node's order of preference (the control plane serves the first a deployment allows)."""
     return {
-        name: cls.fingerprint_key(fingerprint)
-        for name, cls in sorted(_REGISTRY.items())
+        cls.backend: cls.fingerprint_key(fingerprint)
+        for cls in registered_classes()
         if cls.supports(fingerprint)
     }
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -25,9 +25,8 @@ if TYPE_CHECKING:
 MANIFEST_FILENAME = "manifest.json"
 
 #: File extension of a blob by media type; other blobs are stored under their bare name.
+#: Each executor adds its engines' media types when it is registered (``Executor.media_types``).
 MEDIA_TYPE_EXTENSIONS = {
-    "application/x-onnx": ".onnx",
-    "application/x-tensorrt-plan": ".plan",
     "application/json": ".json",
 }
 _SAFE_BLOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
@@ -59,6 +58,15 @@ def _dynamic_rank(spec: TensorSpec) -> bool:
     return list(spec.shape) == ["..."]
 
 
+class CustomOpAdapter(Protocol):
+    """A backend's custom-op session adapter: applies the plugins' kernels to its runtime's
+    session options, and describes them for the manifest's ``runtime_config``."""
+
+    def apply(self, session_options: Any) -> None: ...
+
+    def runtime_config(self) -> list[dict[str, object]]: ...
+
+
 class Executor(ABC):
     """Runs one engine. ``__init__`` loads it; ``run`` validates the feed, then ``_run`` works.
 
@@ -69,8 +77,35 @@ class Executor(ABC):
     """
 
     backend: ClassVar[str]
+    #: The runtime whose version this backend's keys carry: its entry in
+    #: ``HardwareFingerprint.runtimes`` (probed by ``probe_version``).
+    runtime: ClassVar[str]
+    #: Media types of the blobs this backend writes → their file extensions.
+    media_types: ClassVar[dict[str, str]] = {}
+    #: Which backend an agent prefers when a deployment names none: highest first (its
+    #: fingerprint keys are reported in this order).
+    preference: ClassVar[int] = 0
     #: Whether this executor runs engines with custom-op plugins (``manifest.plugins``).
     supports_plugins: ClassVar[bool] = False
+
+    @classmethod
+    @abstractmethod
+    def probe_version(cls) -> str | None:
+        """The installed version of ``runtime`` (``None`` when absent), without importing it
+        where package metadata answers."""
+
+    @classmethod
+    def portable_key(cls, fingerprint: HardwareFingerprint) -> str | None:
+        """The compatibility key of the most portable engine this backend builds on
+        ``fingerprint`` (``options.portability: portable``); ``None`` when it builds none."""
+        return None
+
+    @classmethod
+    def custom_op_adapter(cls, plugins: Sequence[LoadedPlugin], ops: Iterable[str],
+                          device: str) -> CustomOpAdapter | None:
+        """What a build (and a load) registers so that the runtime finds the custom ops
+        ``ops`` of ``plugins`` on ``device``; ``None`` when the backend runs no plugins."""
+        return None
 
     @classmethod
     def device_for(cls, runtime_config: Mapping[str, object]) -> str:

@@ -7,6 +7,9 @@
   re-optimizing it at load would run a graph other than the one that was verified.
 - ``providers``: execution providers, in order; each must be available here.
 - ``intra_op_num_threads`` / ``inter_op_num_threads``: set only when present.
+- ``execution_mode``: ``sequential`` (default) or ``parallel``.
+- ``session_config``: extra session configuration entries (e.g. MLAS's bf16 fast math).
+- ``precision``: the numerics the engine computes in (``fp32``, ``int8-static-qdq``, ...).
 - ``optimization_level``: the level the engine was built at; it decides portability.
 - ``custom_ops``: one entry per custom op in the engine — ``op`` (``domain::OpType``),
   ``kind`` (``python`` or ``native``), ``entry`` (kernel ``module:function`` or library path
@@ -29,19 +32,34 @@ portable key, a level-3 (or unknown-level) engine none.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from runtime_agent.executors.base import Executor
-from runtime_agent.fingerprint import isa_class, major_minor, slug
-from runtime_agent.plugins.abi import runtime_abi
+from runtime_agent.executors.base import CustomOpAdapter, Executor
+from runtime_agent.fingerprint import (
+    isa_class,
+    major_minor,
+    package_version,
+    slug,
+    version_tuple,
+)
+from runtime_agent.plugins.abi import platform_tag
 from schemas.errors import BackendUnavailable, InvalidRequest
 from schemas.fingerprint import HardwareFingerprint
 
+if TYPE_CHECKING:
+    from runtime_agent.plugins import LoadedPlugin
+
 logger = logging.getLogger(__name__)
 
+#: Distributions that install onnxruntime.
+DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu")
+#: Media type of a saved onnxruntime model.
+ENGINE_MEDIA_TYPE = "application/x-onnx"
+#: Prefix of this runtime's ABI tag for native custom-op libraries (``ort-api-<N>``).
+ORT_API_PREFIX = "ort-api-"
 #: Build levels whose saved model is hardware-specific (layout optimizations).
 HARDWARE_SPECIFIC_LEVEL = 3
 SUPPORTED_ARCHES = ("x86_64", "aarch64")
@@ -61,6 +79,17 @@ def _portable(runtime_config: Mapping[str, object] | None) -> bool:
         0 <= level < HARDWARE_SPECIFIC_LEVEL)
 
 
+def onnxruntime_api_version(version: str | None = None) -> int | None:
+    """The onnxruntime C API version (``ORT_API_VERSION``) a runtime of ``version`` (default:
+    the installed one) serves. In onnxruntime 1.x that is the minor version (1.32 serves API
+    versions 1..32; ``GetApi(33)`` returns NULL), and the C API is append-only: a runtime
+    serving ``M`` runs every library built for ``N <= M``. ``None`` without onnxruntime."""
+    parts = version_tuple(version if version is not None else package_version(*DISTRIBUTIONS))
+    if len(parts) < 2 or parts[0] != 1:
+        return None
+    return parts[1]
+
+
 def session_options(runtime_config: Mapping[str, Any]) -> Any:
     """``onnxruntime.SessionOptions`` for a manifest's ``runtime_config``."""
     import onnxruntime as ort
@@ -77,6 +106,14 @@ def session_options(runtime_config: Mapping[str, Any]) -> Any:
         value = runtime_config.get(key)
         if value is not None:
             setattr(options, key, int(value))
+    mode = runtime_config.get("execution_mode", "sequential")
+    if mode not in ("sequential", "parallel"):
+        raise InvalidRequest(
+            f"runtime_config.execution_mode must be sequential or parallel; got {mode!r}")
+    options.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if mode == "parallel"
+                              else ort.ExecutionMode.ORT_SEQUENTIAL)
+    for key, value in dict(runtime_config.get("session_config") or {}).items():
+        options.add_session_config_entry(str(key), str(value))
     return options
 
 
@@ -99,7 +136,23 @@ class OnnxRuntimeExecutor(Executor):
     """Loads ``engine.onnx`` into an ``onnxruntime.InferenceSession``."""
 
     backend = "onnxruntime"
+    runtime = "onnxruntime"
+    media_types = {ENGINE_MEDIA_TYPE: ".onnx"}
+    preference = 10
     supports_plugins = True
+
+    @classmethod
+    def probe_version(cls) -> str | None:
+        return package_version(*DISTRIBUTIONS)
+
+    @classmethod
+    def custom_op_adapter(cls, plugins: Sequence[LoadedPlugin], ops: Iterable[str],
+                          device: str) -> CustomOpAdapter | None:
+        """The plugins' Python kernels (through onnxruntime-extensions) and native libraries,
+        registered on a ``SessionOptions`` exactly as the executor does before loading."""
+        from runtime_agent.plugins.onnxruntime import SessionCustomOps
+
+        return SessionCustomOps.resolve(list(plugins), set(ops), device)
 
     @classmethod
     def device_for(cls, runtime_config: Mapping[str, object]) -> str:
@@ -110,39 +163,41 @@ class OnnxRuntimeExecutor(Executor):
 
     @classmethod
     def plugin_abi(cls) -> str | None:
-        """``<os>-<arch>/ort-api-<N>`` (see ``runtime_agent.plugins.abi``)."""
-        return runtime_abi(cls.backend)
+        """``<os>-<arch>/ort-api-<N>``, ``N`` the C API version this onnxruntime serves. A
+        library built against API ``N`` asks for it with ``OrtGetApiBase()->GetApi(N)``."""
+        api = onnxruntime_api_version()
+        return None if api is None else f"{platform_tag()}/{ORT_API_PREFIX}{api}"
 
     @classmethod
     def supports(cls, fingerprint: HardwareFingerprint) -> bool:
         return (
             fingerprint.cpu.arch in SUPPORTED_ARCHES
-            and major_minor(fingerprint.runtimes.onnxruntime) is not None
+            and major_minor(fingerprint.runtimes.get(cls.runtime)) is not None
         )
 
     @classmethod
     def fingerprint_key(cls, fingerprint: HardwareFingerprint) -> str:
         """``ort-cpu-<ISA class>-ort<major.minor>``, e.g. ``ort-cpu-x86-64-v4-ort1.32``."""
-        version = major_minor(fingerprint.runtimes.onnxruntime)
+        version = major_minor(fingerprint.runtimes.get(cls.runtime))
         if version is None:
             raise BackendUnavailable(
                 f"the fingerprint names no onnxruntime version "
-                f"(runtimes.onnxruntime={fingerprint.runtimes.onnxruntime!r}); "
+                f"(runtimes.onnxruntime={fingerprint.runtimes.get(cls.runtime)!r}); "
                 f"the {cls.backend} backend needs one"
             )
         return slug(f"ort-cpu-{isa_class(fingerprint.cpu)}-ort{version}")
 
     @classmethod
-    def portable_key(cls, fingerprint: HardwareFingerprint) -> str:
+    def portable_key(cls, fingerprint: HardwareFingerprint) -> str | None:
         """``ort-cpu-<arch>-portable-ort<major.minor>``, e.g.
         ``ort-cpu-x86-64-portable-ort1.32``: the key of engines that need only the
         architecture and the onnxruntime version (levels 0–2)."""
-        version = major_minor(fingerprint.runtimes.onnxruntime)
+        version = major_minor(fingerprint.runtimes.get(cls.runtime))
         if version is None or not cls.supports(fingerprint):
             raise BackendUnavailable(
                 f"the {cls.backend} backend supports {list(SUPPORTED_ARCHES)} with an onnxruntime "
                 f"version; the fingerprint has arch {fingerprint.cpu.arch!r} and onnxruntime "
-                f"{fingerprint.runtimes.onnxruntime!r}"
+                f"{fingerprint.runtimes.get(cls.runtime)!r}"
             )
         return slug(f"ort-cpu-{fingerprint.cpu.arch}-portable-ort{version}")
 
@@ -177,8 +232,8 @@ class OnnxRuntimeExecutor(Executor):
         if not _portable(runtime_config):
             return False
         return built_on.cpu.arch == node.cpu.arch and major_minor(
-            built_on.runtimes.onnxruntime
-        ) == major_minor(node.runtimes.onnxruntime)
+            built_on.runtimes.get(cls.runtime)
+        ) == major_minor(node.runtimes.get(cls.runtime))
 
     def _load(self) -> None:
         import onnxruntime as ort

@@ -43,17 +43,23 @@ import logging
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from importlib.util import find_spec
 from typing import Any
 
 import numpy as np
 
 from runtime_agent.executors.base import Executor
-from runtime_agent.fingerprint import major_minor, slug, version_tuple
+from runtime_agent.fingerprint import major_minor, package_version, slug, version_tuple
 from runtime_agent.samples import numpy_dtype
 from schemas.errors import BackendUnavailable, InvalidRequest, KilnError
 from schemas.fingerprint import AcceleratorInfo, HardwareFingerprint
 
 logger = logging.getLogger(__name__)
+
+#: Media type of a serialized TensorRT plan.
+ENGINE_MEDIA_TYPE = "application/x-tensorrt-plan"
+#: Distributions that install TensorRT's Python bindings, in the order they are asked.
+DISTRIBUTIONS = ("tensorrt", "tensorrt-cu13", "tensorrt-cu12", "tensorrt-cu11", "tensorrt-libs")
 
 #: ``hardware_compatibility_level`` values → ``trt.HardwareCompatibilityLevel`` member names.
 HARDWARE_COMPATIBILITY_LEVELS = {
@@ -97,7 +103,7 @@ def _identity(fingerprint: HardwareFingerprint) -> tuple[tuple[int, int], str, b
 
 def _portable_toolchain(fingerprint: HardwareFingerprint) -> tuple[int, int] | None:
     """TensorRT (major, minor) when the fingerprint's GPU and TensorRT allow portable plans."""
-    version = version_tuple(fingerprint.runtimes.tensorrt)[:2]
+    version = version_tuple(fingerprint.runtimes.get('tensorrt'))[:2]
     if len(version) < 2 or version < COMPAT_MIN_TRT or _identity(fingerprint)[2]:
         return None
     return version[0], version[1]
@@ -117,6 +123,33 @@ class TensorRTExecutor(Executor):
     """
 
     backend = "tensorrt"
+    runtime = "tensorrt"
+    media_types = {ENGINE_MEDIA_TYPE: ".plan"}
+    preference = 100
+
+    @classmethod
+    def probe_version(cls) -> str | None:
+        """The installed TensorRT version: package metadata, else — for TensorRT installed from
+        system packages (JetPack's ``python3-libnvinfer``), which carry no Python metadata —
+        the module's ``__version__``, importing it only when it is there."""
+        version = package_version(*DISTRIBUTIONS)
+        if version is not None:
+            return version
+        try:
+            if find_spec("tensorrt") is None:
+                return None
+            import tensorrt
+        except Exception as exc:  # a broken installation is the same as none
+            logger.debug("tensorrt is present but does not import: %s", exc)
+            return None
+        return str(getattr(tensorrt, "__version__", "")) or None
+
+    @classmethod
+    def portable_key(cls, fingerprint: HardwareFingerprint) -> str | None:
+        """The key of a hardware- and version-compatible plan built here (``portability:
+        portable``); ``None`` where TensorRT builds none (integrated GPUs, before Ampere)."""
+        return cls.compatibility_key(fingerprint, {"hardware_compatibility_level":
+                                                   "ampere_plus", "version_compatible": True})
 
     # -- keys and compatibility (pure; tested) ---------------------------------------------
 
@@ -126,7 +159,7 @@ class TensorRTExecutor(Executor):
         return (
             device is not None
             and compute_capability(device) is not None
-            and major_minor(fingerprint.runtimes.tensorrt) is not None
+            and major_minor(fingerprint.runtimes.get('tensorrt')) is not None
         )
 
     @classmethod
@@ -138,10 +171,10 @@ class TensorRTExecutor(Executor):
                 f"the {cls.backend} backend needs a CUDA accelerator with a compute capability "
                 f"and a TensorRT version; the fingerprint has accelerators "
                 f"{[a.model_dump() for a in fingerprint.accelerators]} and tensorrt "
-                f"{fingerprint.runtimes.tensorrt!r}"
+                f"{fingerprint.runtimes.get('tensorrt')!r}"
             )
         cc, name, _ = _identity(fingerprint)
-        version = major_minor(fingerprint.runtimes.tensorrt)
+        version = major_minor(fingerprint.runtimes.get('tensorrt'))
         return slug(f"trt-sm{cc[0]}{cc[1]}-{name}-trt{version}")
 
     @classmethod
@@ -261,7 +294,8 @@ class TensorRTExecutor(Executor):
             raise BackendUnavailable(
                 f"TensorRT {trt.__version__} could not deserialize {path} of artifact "
                 f"{self.manifest.artifact_id} (built with TensorRT "
-                f"{self.manifest.build_fingerprint.runtimes.tensorrt}): {self._logger.errors}"
+                f"{self.manifest.build_fingerprint.runtimes.get('tensorrt')}): "
+                f"{self._logger.errors}"
                 + (f"; the plan needs plugin libraries {plugins}" if plugins else ""),
                 artifact_id=self.manifest.artifact_id,
             )

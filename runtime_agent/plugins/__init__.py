@@ -10,7 +10,6 @@ libraries with an ABI tag. See docs/custom-ops.md.
 
 from runtime_agent.plugins.abi import (
     check_abi,
-    onnxruntime_api_version,
     parse_abi,
     platform_tag,
     runtime_abi,
@@ -72,7 +71,6 @@ __all__ = [
     "load_bundle",
     "load_plugin",
     "numpy_dtype",
-    "onnxruntime_api_version",
     "parse_abi",
     "platform_tag",
     "read_manifest",
