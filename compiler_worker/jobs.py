@@ -13,20 +13,28 @@ import tempfile
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
+
 from artifact_store import ArtifactStore, Signer, load_signer, open_store
-from compiler_worker.backends import backend_for
 from compiler_worker.config import WorkerSettings
 from compiler_worker.pipeline import CompileResult, compile_model, plan_build
 from runtime_agent.fingerprint import resolve_fingerprint
 from schemas import BlobRef, HardwareFingerprint, JobStage
+from schemas._canonical import sha256_hex
+from schemas.datasets import load_npz
 from schemas.errors import (
+    BackendUnavailable,
     ErrorBody,
     ErrorCode,
     FingerprintMismatch,
+    IntegrityError,
+    InvalidOptions,
     KilnError,
+    NotFound,
     UnknownOperator,
 )
 from schemas.onnx_model import custom_ops, load_model_bytes
+from schemas.options import CompileOptions
 from schemas.plugins import PluginRef
 from services.db import make_engine, make_session_factory, repo, session_scope
 
@@ -72,15 +80,8 @@ class JobRunner:
                 message=f"the compile crashed: {type(exc).__name__}: {exc}",
             ))
 
-    def _run(self, job_id: str, model_id: str, options, fingerprint_key: str) -> None:
-        backend = backend_for(self.fingerprint, options)
-        own_key = backend.fingerprint_key(self.fingerprint)
-        if own_key != fingerprint_key:
-            raise FingerprintMismatch(
-                f"job {job_id} targets {fingerprint_key!r} but this worker builds "
-                f"{own_key!r}; it was routed to the wrong queue",
-                expected=fingerprint_key, actual=own_key,
-            )
+    def _run(self, job_id: str, model_id: str, options: CompileOptions,
+             fingerprint_key: str) -> None:
         with session_scope(self.sessions) as session:
             blob_key = repo.get_model_blob_key(session, model_id=model_id)
         self.settings.workdir.mkdir(parents=True, exist_ok=True)
@@ -89,22 +90,36 @@ class JobRunner:
             self._stage(job_id, JobStage.LOADING, 0.02)
             model_bytes = self.store.get_bytes(blob_key)
             plugins = self._plugins(model_bytes, workdir)
-            plan = plan_build(model_id, options, self.fingerprint,
-                              plugins=[ref for ref, _ in plugins])
+            try:
+                plan = plan_build(model_id, options, self.fingerprint, key=fingerprint_key,
+                                  plugins=[ref for ref, _ in plugins])
+            except BackendUnavailable as exc:
+                raise FingerprintMismatch(
+                    f"job {job_id} targets {fingerprint_key!r}, which this worker does not "
+                    f"build ({exc.message}); it was routed to the wrong queue",
+                    expected=fingerprint_key,
+                ) from exc
             with session_scope(self.sessions) as session:
                 cached = repo.find_artifact(
                     session, model_id=model_id, options_digest=options.digest(),
-                    fingerprint_key=own_key, toolchain=plan.toolchain,
+                    fingerprint_key=plan.fingerprint_key, toolchain=plan.toolchain,
                 )
-                if cached is not None:
+                if cached is not None and self._blobs_present(cached.id):
                     repo.succeed_job(session, job_id=job_id, artifact_id=cached.id,
                                      cache_hit=True)
                     logger.info("job %s: cache hit, artifact %s", job_id, cached.id)
                     return
+                reuse = repo.find_tuning(
+                    session, model_id=model_id, options_digest=options.digest(),
+                    fingerprint_key=plan.fingerprint_key, toolchain=plan.toolchain,
+                ) if hasattr(repo, "find_tuning") else None
+            samples = self._dataset(options.samples)
+            calibration = self._dataset(options.calibration)
             result = compile_model(
                 model_bytes, options, fingerprint=self.fingerprint, workdir=workdir,
                 on_stage=lambda stage, progress: self._stage(job_id, stage, progress),
-                plugins=plugins,
+                plugins=plugins, plan=plan, samples=samples, calibration=calibration,
+                reuse=reuse,
             )
             self._stage(job_id, JobStage.PUBLISHING, 0.95)
             manifest = self._publish(result)
@@ -113,9 +128,42 @@ class JobRunner:
 
         with session_scope(self.sessions) as session:
             artifact, created = repo.record_artifact(session, model_id=model_id, manifest=manifest)
+            if manifest.tuning is not None and hasattr(repo, "record_tuning"):
+                repo.record_tuning(
+                    session, model_id=model_id, options_digest=options.digest(),
+                    fingerprint_key=plan.fingerprint_key, toolchain=plan.toolchain,
+                    table=manifest.tuning)
             repo.succeed_job(session, job_id=job_id, artifact_id=artifact.id)
         logger.info("job %s: artifact %s %s", job_id, artifact.id,
                     "recorded" if created else "already recorded")
+
+    def _blobs_present(self, artifact_id: str) -> bool:
+        """Whether the cached artifact's manifest and blobs are still in the store."""
+        try:
+            manifest = self.store.read_manifest(artifact_id)
+            missing = [ref.name for ref in manifest.blobs if not self.store.has_blob(ref)]
+        except KilnError as exc:
+            missing = [f"manifest ({exc.message})"]
+        if missing:
+            logger.warning("artifact %s is recorded but the store lacks %s; rebuilding",
+                           artifact_id, missing)
+        return not missing
+
+    def _dataset(self, dataset_id: str | None) -> dict[str, np.ndarray] | None:
+        """The arrays of an uploaded dataset, fetched from the store and checked again."""
+        if dataset_id is None:
+            return None
+        try:
+            with session_scope(self.sessions) as session:
+                blob_key = repo.get_dataset_blob_key(session, dataset_id=dataset_id)
+        except NotFound as exc:
+            raise InvalidOptions(f"dataset {dataset_id} does not exist; push it with "
+                                 f"`kiln dataset push FILE.npz`", dataset=dataset_id) from exc
+        data = self.store.get_bytes(blob_key)
+        if sha256_hex(data) != dataset_id:
+            raise IntegrityError(f"dataset {dataset_id} in the store has sha256 "
+                                 f"{sha256_hex(data)}", dataset=dataset_id)
+        return load_npz(data, max_bytes=len(data))
 
     def _plugins(self, model_bytes: bytes, workdir: Path) -> list[tuple[PluginRef, Path]]:
         """The registered plugins providing the model's custom ops, fetched and verified.

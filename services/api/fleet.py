@@ -20,21 +20,17 @@ from sqlalchemy.orm import Session
 from schemas import CompileJob, CompileOptions, JobStatus
 from schemas.agents import AgentInfo, DesiredModel, DesiredState
 from schemas.deployments import Deployment
+from schemas.options import Portability
 from services.api.enqueue import enqueue_jobs
 from services.db import repo
 
 logger = logging.getLogger(__name__)
 
-#: Which backend serves a deployment when its options name none: the first the node has.
-BACKEND_PREFERENCE = ("tensorrt", "onnxruntime")
-#: The highest onnxruntime level whose saved model is portable (3 adds hardware layouts).
-PORTABLE_LEVEL = 2
-
-
 def choose_backend(deployment: Deployment, agent: AgentInfo) -> tuple[str, str] | None:
     """(backend, fingerprint key) for this deployment on this agent, or None if the agent has
-    no backend the deployment allows."""
-    for backend in deployment.options.backends or BACKEND_PREFERENCE:
+    no backend the deployment allows. Without a backend list in the options, the agent's own
+    order of preference decides: it reports its keys most preferred first."""
+    for backend in deployment.options.backends or list(agent.fingerprint_keys):
         key = agent.fingerprint_keys.get(backend)
         if key:
             return backend, key
@@ -42,8 +38,10 @@ def choose_backend(deployment: Deployment, agent: AgentInfo) -> tuple[str, str] 
 
 
 def portable_options(options: CompileOptions) -> CompileOptions:
-    return options.model_copy(update={
-        "optimization_level": min(options.optimization_level, PORTABLE_LEVEL)})
+    """The same compile, restricted to engines that run on every node of the backend's
+    portable key (each backend decides which of its configurations those are)."""
+    return options.model_copy(update={"portability": Portability.PORTABLE,
+                                      "optimization_level": None})
 
 
 class Planner:
@@ -96,7 +94,7 @@ class Planner:
         if choice is None:
             logger.warning("agent %s has no backend for deployment %s (allowed: %s; has %s)",
                            agent.name, deployment.name,
-                           deployment.options.backends or list(BACKEND_PREFERENCE),
+                           deployment.options.backends or "any",
                            sorted(agent.fingerprint_keys))
             return None
         backend, key = choice
