@@ -29,14 +29,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
-import onnx
 
 from artifact_store.digest import sha256_file
 from compiler_worker import backends
 from compiler_worker.backends.base import PIPELINE_VERSION, Backend, BuiltEngine, Candidate
 from compiler_worker.benchmark import benchmark
 from compiler_worker.inputs import generated_inputs_source, input_ranges
-from compiler_worker.modelio import load_model_bytes, signature
+from compiler_worker.modelio import load_model, materialize_model, save_model, signature
 from compiler_worker.passes import default_pipeline
 from compiler_worker.passes.custom_op_shapes import fill_attribute_defaults
 from compiler_worker.tuner import tune
@@ -384,7 +383,8 @@ def _compile(
 
     stages.enter(JobStage.LOADING)
     model_sha256 = sha256_hex(model_bytes)
-    submitted = load_model_bytes(model_bytes)
+    # A model archive (the .onnx and its external data) is unpacked, confined, into workdir.
+    submitted = load_model(materialize_model(model_bytes, _fresh_dir(workdir / "model")))
     model_ops = custom_ops(submitted)
     backend = plan.backend if plan is not None else backends.backend_for(fingerprint, options)
     used = _prepare_plugins(
@@ -424,7 +424,7 @@ def _compile(
         calibration_feeds = feeds
         calibration_note = "calibrated on the samples (no calibration dataset was given)"
     prepared_path = workdir / "prepared.onnx"
-    onnx.save_model(prepared, prepared_path)
+    save_model(prepared, prepared_path)  # over EXTERNAL_DATA_THRESHOLD: with external data
 
     stages.enter(JobStage.BUILDING)
     output_names = [spec.name for spec in outputs]

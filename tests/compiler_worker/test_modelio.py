@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from compiler_worker.modelio import load_model_bytes, signature
+from compiler_worker.modelio import (
+    load_model,
+    load_model_bytes,
+    materialize_model,
+    pack_model_files,
+    save_model,
+    signature,
+)
 from kiln.examples import mlp, onnx_test_model, small_cnn
+from kiln.model_files import data_files_beside
 from schemas.errors import InvalidModel
 from tests.compiler_worker.helpers import sequence_model
+from tests.models.external_data import external_cnn
 
 
 def test_round_trip() -> None:
@@ -32,14 +43,14 @@ def test_bad_bytes_are_invalid_model(data: bytes, message: str) -> None:
         load_model_bytes(data)
 
 
-def test_external_data_is_refused() -> None:
+def test_external_data_escaping_the_model_dir_is_refused() -> None:
     model = mlp()
     tensor = model.graph.initializer[0]
     tensor.ClearField("raw_data")
     tensor.ClearField("float_data")
     tensor.data_location = TensorProto.EXTERNAL
     tensor.external_data.add(key="location", value="../../etc/passwd")
-    with pytest.raises(InvalidModel, match="external data"):
+    with pytest.raises(InvalidModel, match=r"location '\.\./\.\./etc/passwd' is not a relative"):
         load_model_bytes(model.SerializeToString())
 
 
@@ -87,3 +98,30 @@ def test_loaded_model_runs_unchanged() -> None:
     b = ort.InferenceSession(model.SerializeToString()).run(None, {"x": x})[0]
     np.testing.assert_array_equal(a, b)
     assert onnx.ModelProto.FromString(data) == model
+
+
+def test_external_data_not_submitted_names_the_missing_file() -> None:
+    model = mlp()
+    tensor = model.graph.initializer[0]
+    tensor.ClearField("raw_data")
+    tensor.ClearField("float_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value="weights.bin")
+    with pytest.raises(InvalidModel, match=r"\['weights.bin'\], which were not uploaded"):
+        load_model_bytes(model.SerializeToString())
+
+
+def test_materialize_archive_and_save_prepared_with_external_data(tmp_path: Path) -> None:
+    source = external_cnn(tmp_path / "src")
+    pack_model_files(source, data_files_beside(source), tmp_path / "blob")
+    blob = (tmp_path / "blob").read_bytes()
+    path = materialize_model(blob, tmp_path / "model")
+    assert sorted(p.name for p in path.parent.iterdir()) == ["model.onnx", "model.onnx.data"]
+    model = load_model(path)
+    assert all(t.data_location == TensorProto.DEFAULT for t in model.graph.initializer)
+    saved = save_model(model, tmp_path / "prepared.onnx", external=True)
+    assert (tmp_path / "prepared.onnx.data").stat().st_size > 10_000
+    assert saved.stat().st_size < 10_000
+    assert onnx.load(str(saved)).graph.initializer[0].raw_data
+    plain = materialize_model(small_cnn().SerializeToString(), tmp_path / "plain")
+    assert [p.name for p in plain.parent.iterdir()] == ["model.onnx"]

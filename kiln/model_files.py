@@ -1,0 +1,33 @@
+"""The files a model on disk consists of: the ``.onnx`` and the external data it references.
+
+``torch.onnx.export`` writes ``model.onnx`` and ``model.onnx.data`` by default; ``kiln submit``
+and ``kiln compile`` take the ``.onnx`` and find its data files beside it here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from schemas.errors import InvalidModel
+from schemas.onnx_model import external_refs, parse_model
+
+
+def data_files_beside(model_path: Path) -> dict[str, Path]:
+    """The external data files the ``.onnx`` at ``model_path`` references: location -> path
+    beside it (only the graph is read, not the weights). ``InvalidModel`` for a location that
+    escapes the model's directory (``..``, an absolute path, a symbolic link) or a missing file.
+    """
+    model_path = Path(model_path)
+    model = parse_model(model_path.read_bytes())
+    root = model_path.parent.resolve()
+    files: dict[str, Path] = {}
+    for ref in external_refs(model):
+        path = root / ref.path
+        if path.is_symlink() or (path.exists() and root not in path.resolve().parents):
+            raise InvalidModel(f"external data {ref.path!r} of {model_path.name} resolves "
+                               f"outside its directory {root}", path=ref.path)
+        if not path.is_file():
+            raise InvalidModel(f"{model_path.name} keeps tensors in {ref.path!r}, which is not "
+                               f"beside it ({path} does not exist)", missing_files=[ref.path])
+        files[ref.path] = path
+    return files
