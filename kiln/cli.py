@@ -25,6 +25,7 @@ from kiln.client import KilnClient
 from kiln.ui import print_artifact, progress_wait
 from schemas import CompileOptions, JobStatus, Precision
 from schemas.errors import KilnError
+from schemas.options import Portability, Tune
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 console = Console()
@@ -44,11 +45,15 @@ def _client(api: str | None, token: str | None) -> KilnClient:
     return KilnClient.from_env(api, token)
 
 
-def _options(precision: Precision, opt_level: int, atol: float | None, rtol: float | None,
-             options_file: Path | None) -> CompileOptions:
+def _options(precision: Precision, opt_level: int | None, atol: float | None,
+             rtol: float | None, options_file: Path | None, tune: Tune = Tune.AUTO,
+             portability: Portability = Portability.EXACT) -> CompileOptions:
     data = json.loads(options_file.read_text()) if options_file else {}
     data.setdefault("precision", precision.value)
-    data.setdefault("optimization_level", opt_level)
+    data.setdefault("tune", tune.value)
+    data.setdefault("portability", portability.value)
+    if opt_level is not None:
+        data.setdefault("optimization_level", opt_level)
     tolerance = data.setdefault("tolerance", {})
     if atol is not None:
         tolerance["atol"] = atol
@@ -57,13 +62,44 @@ def _options(precision: Precision, opt_level: int, atol: float | None, rtol: flo
     return CompileOptions.model_validate(data)
 
 
-PrecisionOpt = Annotated[Precision, typer.Option("--precision")]
-LevelOpt = Annotated[int, typer.Option("--opt-level", min=0, max=3)]
+PrecisionOpt = Annotated[Precision, typer.Option(
+    "--precision", help="fp32: exact within --atol/--rtol; auto: reduced precision (int8, "
+    "bf16) where the accuracy gate holds on the samples; or one precision")]
+LevelOpt = Annotated[int | None, typer.Option(
+    "--opt-level", min=0, max=3, help="pin the optimization level (default: the tuner picks)")]
+TuneOpt = Annotated[Tune, typer.Option(
+    "--tune", help="auto: build, verify and benchmark every candidate, keep the fastest; "
+    "off: the backend's default only")]
+PortabilityOpt = Annotated[Portability, typer.Option(
+    "--portability", help="exact: fastest for this hardware; portable: runs on every node of "
+    "the backend's portable key")]
 AtolOpt = Annotated[float | None, typer.Option("--atol")]
 RtolOpt = Annotated[float | None, typer.Option("--rtol")]
 OptionsFile = Annotated[
     Path | None, typer.Option("--options", help="JSON file of CompileOptions", exists=True)
 ]
+SamplesOpt = Annotated[Path | None, typer.Option(
+    "--samples", exists=True, dir_okay=False,
+    help=".npz of sample inputs for verification and benchmarking: one array per model input, "
+         "first axis = sample index (sample i = array[i], the input's full shape)")]
+CalibrationOpt = Annotated[Path | None, typer.Option(
+    "--calibration", exists=True, dir_okay=False,
+    help=".npz of representative inputs for static int8 calibration (same layout as --samples)")]
+
+
+def _with_datasets(client: KilnClient, options: CompileOptions, *, samples: Path | None,
+                   calibration: Path | None) -> CompileOptions:
+    """Push the ``.npz`` files given and name them in ``options.samples`` / ``.calibration``."""
+    update: dict[str, str] = {}
+    for role, path in (("samples", samples), ("calibration", calibration)):
+        if path is not None:
+            dataset = client.push_dataset(path)
+            err.print(f"{role}: dataset {dataset.id[:16]}… ({dataset.samples} samples, arrays "
+                      f"{[t.name for t in dataset.tensors]})")
+            update[role] = dataset.id
+    if not update:
+        return options
+    return CompileOptions.model_validate({**options.model_dump(mode="json"), **update})
 
 
 # ---------------------------------------------------------------- services
@@ -247,19 +283,24 @@ def submit(
     wait: Annotated[bool, typer.Option("--wait")] = False,
     name: Annotated[str | None, typer.Option()] = None,
     precision: PrecisionOpt = Precision.FP32,
-    opt_level: LevelOpt = 3,
+    opt_level: LevelOpt = None,
+    tune: TuneOpt = Tune.AUTO,
+    portability: PortabilityOpt = Portability.EXACT,
     atol: AtolOpt = None,
     rtol: RtolOpt = None,
     options_file: OptionsFile = None,
+    samples: SamplesOpt = None,
+    calibration: CalibrationOpt = None,
     timeout: Annotated[float, typer.Option(help="seconds to wait")] = 1800,
     api_url: ApiUrl = None,
     token_: Token = None,
 ) -> None:
     """Upload MODEL.onnx and queue a compile job per target (default: every live worker key)."""
-    options = _options(precision, opt_level, atol, rtol, options_file)
+    options = _options(precision, opt_level, atol, rtol, options_file, tune, portability)
     with _client(api_url, token_) as client:
         info = client.upload_model(model, name=name)
         err.print(f"model {info.id[:16]}… ({info.size_bytes} bytes, opset {info.opset})")
+        options = _with_datasets(client, options, samples=samples, calibration=calibration)
         jobs = client.create_jobs(info.id, _targets(client, target), options)
         for job in jobs:
             err.print(f"job {job.id} → {job.fingerprint_key}: {job.status.value}"
@@ -336,7 +377,9 @@ def deploy(
     selector: Annotated[list[str] | None, typer.Option(
         "--selector", "-l", help="label key=value an agent must have; repeatable")] = None,
     precision: PrecisionOpt = Precision.FP32,
-    opt_level: LevelOpt = 3,
+    opt_level: LevelOpt = None,
+    tune: TuneOpt = Tune.AUTO,
+    portability: PortabilityOpt = Portability.EXACT,
     atol: AtolOpt = None,
     rtol: RtolOpt = None,
     options_file: OptionsFile = None,
@@ -344,7 +387,7 @@ def deploy(
     token_: Token = None,
 ) -> None:
     """Create or update a deployment: the agents whose labels match serve the model."""
-    options = _options(precision, opt_level, atol, rtol, options_file)
+    options = _options(precision, opt_level, atol, rtol, options_file, tune, portability)
     with _client(api_url, token_) as client:
         applied = client.deploy(name, model_id, selector=_parse_selector(selector),
                                 options=options)
@@ -482,6 +525,41 @@ def plugins(api_url: ApiUrl = None, token_: Token = None) -> None:
     console.print(table)
 
 
+dataset_app = typer.Typer(no_args_is_help=True, help="Datasets of sample inputs (.npz).")
+app.add_typer(dataset_app, name="dataset")
+
+
+@dataset_app.command("push")
+def dataset_push(
+    file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help=(
+        "an .npz (numpy.savez): one array per model input, named like it; the first axis is "
+        "the sample index and sample i = array[i] has the input's full shape"))],
+    api_url: ApiUrl = None,
+    token_: Token = None,
+) -> None:
+    """Upload a dataset; prints its id, to use as options.samples or options.calibration."""
+    with _client(api_url, token_) as client:
+        info = client.push_dataset(file)
+    err.print(f"dataset: {info.samples} samples, {info.size_bytes} bytes, arrays "
+              + ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in info.tensors))
+    console.print(info.id)
+
+
+@app.command()
+def datasets(limit: int = 50, api_url: ApiUrl = None, token_: Token = None) -> None:
+    """List uploaded datasets, newest first."""
+    with _client(api_url, token_) as client:
+        rows = client.list_datasets(limit=limit)
+    table = Table()
+    for col in ("dataset", "samples", "arrays", "bytes", "uploaded"):
+        table.add_column(col)
+    for d in rows:
+        arrays = ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in d.tensors)
+        table.add_row(d.id[:16], str(d.samples), arrays, str(d.size_bytes),
+                      d.created_at.strftime("%Y-%m-%d %H:%M:%S"))
+    console.print(table)
+
+
 @app.command()
 def fingerprint(
     fingerprint_file: Annotated[Path | None, typer.Option(exists=True)] = None,
@@ -491,6 +569,7 @@ def fingerprint(
 ) -> None:
     """Print this machine's hardware fingerprint as JSON."""
     from runtime_agent import fingerprint as fingerprints
+    from runtime_agent.executors import node_compatibility_keys, node_fingerprint_keys
 
     fp = fingerprints.resolve_fingerprint(fingerprint_file)
     if older_variant:
@@ -499,6 +578,13 @@ def fingerprint(
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--older-variant") from exc
     console.print_json(fp.model_dump_json())
+    # The keys go to stderr: stdout stays a fingerprint file (``--fingerprint-file``).
+    table = Table("backend", "fingerprint key (kiln artifacts --fingerprint KEY)",
+                  "also runs engines keyed", title="keys this machine's backends derive")
+    compat = node_compatibility_keys(fp)
+    for backend, key in node_fingerprint_keys(fp).items():
+        table.add_row(backend, key, ", ".join(compat.get(backend, [])) or "-")
+    err.print(table)
 
 
 @app.command()
@@ -506,13 +592,22 @@ def compile(
     model: Annotated[Path, typer.Argument(exists=True, dir_okay=False)],
     out: Annotated[Path, typer.Option("--out", help="artifact directory to write")],
     precision: PrecisionOpt = Precision.FP32,
-    opt_level: LevelOpt = 3,
+    opt_level: LevelOpt = None,
+    tune: TuneOpt = Tune.AUTO,
+    portability: PortabilityOpt = Portability.EXACT,
     atol: AtolOpt = None,
     rtol: RtolOpt = None,
     options_file: OptionsFile = None,
     plugin: Annotated[list[Path] | None, typer.Option(
         "--plugin", exists=True, dir_okay=False,
         help="a plugin bundle (kiln plugin build) providing custom ops; repeatable")] = None,
+    samples: Annotated[Path | None, typer.Option(
+        "--samples", exists=True, dir_okay=False,
+        help="an .npz of sample inputs ([samples, *input shape] per input) to verify, judge "
+             "accuracy and benchmark on")] = None,
+    calibration: Annotated[Path | None, typer.Option(
+        "--calibration", exists=True, dir_okay=False,
+        help="an .npz of representative inputs for static int8 calibration")] = None,
 ) -> None:
     """Compile MODEL.onnx for this machine in-process (no services); write the artifact dir."""
     from artifact_store.bundles import read_bundle
@@ -521,7 +616,13 @@ def compile(
     from runtime_agent.fingerprint import detect_fingerprint
     from schemas.plugins import PluginRef
 
-    options = _options(precision, opt_level, atol, rtol, options_file)
+    options = _options(precision, opt_level, atol, rtol, options_file, tune, portability)
+    sample_arrays = _read_dataset(samples, "--samples")
+    calibration_arrays = _read_dataset(calibration, "--calibration")
+    if samples is not None:
+        options = options.model_copy(update={"samples": sha256_file(samples)[0]})
+    if calibration is not None:
+        options = options.model_copy(update={"calibration": sha256_file(calibration)[0]})
     plugins = []
     for archive in plugin or []:
         bundle = read_bundle(archive)
@@ -533,13 +634,48 @@ def compile(
         result = compile_model(
             model.read_bytes(), options, fingerprint=detect_fingerprint(), workdir=Path(tmp),
             on_stage=lambda stage, p: progress.update(bar, description=stage.value, completed=p),
-            plugins=plugins,
+            plugins=plugins, samples=sample_arrays, calibration=calibration_arrays,
         )
         path = write_artifact_dir(result, out)
         progress.update(bar, description="done", completed=1.0)
     m = result.manifest
-    console.print(f"wrote {path}: {m.backend} for {m.fingerprint_key}; verification max abs "
-                  f"{m.verification.max_abs_error:.3g}; p50 {m.benchmark.p50_ms:.3f} ms")
+    if m.tuning is not None:
+        err.print(tuning_table(m.tuning))
+    console.print(f"wrote {path}: {m.backend} {m.precision} for {m.fingerprint_key}; "
+                  f"verification max abs {m.verification.max_abs_error:.3g}; "
+                  f"p50 {m.benchmark.p50_ms:.3f} ms")
+
+
+def _read_dataset(path: Path | None, flag: str):
+    """The arrays of an ``.npz`` dataset file, checked as the API checks an upload."""
+    if path is None:
+        return None
+    from schemas.datasets import load_npz
+
+    data = path.read_bytes()
+    try:
+        return load_npz(data, max_bytes=len(data) + 1)
+    except KilnError as exc:
+        raise typer.BadParameter(exc.message, param_hint=flag) from exc
+
+
+def tuning_table(tuning) -> Table:
+    """The candidate table of a ``TuningTable``: the winner first marked, then the rest."""
+    table = Table("", "candidate", "precision", "accuracy", "max abs", "p50 ms", "p90 ms",
+                  "build s", "outcome", title=f"tuning for {tuning.fingerprint_key} "
+                  f"({tuning.elapsed_s:.1f} s of {tuning.budget_s:g} s, {tuning.rounds} rounds"
+                  f"{', reused' if tuning.reused else ''}; inputs {tuning.inputs})")
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    for c in tuning.candidates:
+        table.add_row("*" if c.name == tuning.winner else "", c.name, c.precision,
+                      "-" if c.accuracy is None else f"{c.accuracy_metric} {c.accuracy:.4f}",
+                      fmt(c.max_abs_error, ".2g"), fmt(c.p50_ms, ".3f"), fmt(c.p90_ms, ".3f"),
+                      fmt(c.build_s, ".1f"),
+                      c.outcome.value + (f": {c.reason}" if c.reason else ""))
+    return table
 
 
 @app.command()

@@ -19,7 +19,7 @@ from itertools import product
 
 import pytest
 
-from compiler_worker.backends import Backend, OnnxRuntimeBackend, TensorRTBackend
+from compiler_worker.backends import Backend, Candidate, OnnxRuntimeBackend, TensorRTBackend
 from runtime_agent.executors import node_compatibility_keys, node_fingerprint_keys
 from schemas.fingerprint import HardwareFingerprint
 from schemas.options import CompileOptions
@@ -42,8 +42,8 @@ ORT_CONFIGS = [  # as OnnxRuntimeBackend writes them, plus a manifest without a 
     for n in range(4)
 ] + [(CompileOptions(optimization_level=3), {"graph_optimization_level": 0})]
 TRT_CONFIGS = [  # as TensorRTBackend writes them, for every portability setting
-    (CompileOptions(), TensorRTBackend(hardware_compatibility=hw, version_compatible=vc)
-     .runtime_config(CompileOptions(), {}))
+    (CompileOptions(), TensorRTBackend().runtime_config(Candidate(
+        name="c", config={"hardware_compatibility_level": hw, "version_compatible": vc}), {}))
     for hw, vc in product(["none", "ampere_plus", "same_compute_capability"], [False, True])
 ] + [(CompileOptions(), {"hardware_compatibility_level": "bogus", "version_compatible": True})]
 
@@ -57,12 +57,12 @@ def _node_keys(index: int, population: str) -> tuple[dict[str, str], dict[str, l
 def _check_agreement(backend: Backend, population: list[HardwareFingerprint], name: str,
                      configs) -> tuple[int, int]:
     compatible_pairs = checked = 0
-    for built, (j, node), (options, config) in product(
+    for built, (j, node), (_options, config) in product(
             population, enumerate(population), configs):
         if not backend.supports(built):
             continue
         exact_keys, compat_keys = _node_keys(j, name)
-        key = backend.compatibility_key(built, options, config)
+        key = backend.compatibility_key(built, config)
         by_keys = exact_keys.get(backend.name) == backend.fingerprint_key(built) or (
             key is not None and key in compat_keys.get(backend.name, []))
         assert backend.compatible(built, node, config) is by_keys, (
@@ -93,20 +93,33 @@ def test_tensorrt_compatible_agrees_with_keys() -> None:
 )
 def test_tensorrt_backend_records_the_key_of_its_setting(hardware: str, vc: bool,
                                                          expected: str | None) -> None:
-    backend = TensorRTBackend(hardware_compatibility=hardware, version_compatible=vc)
+    backend = TensorRTBackend()
     a100 = GPU_NODES["a100-sxm4-80gb"].fingerprint
-    config = backend.runtime_config(CompileOptions(), {})
-    assert backend.compatibility_key(a100, CompileOptions(), config) == expected
+    config = backend.runtime_config(Candidate(name="c", config={
+        "hardware_compatibility_level": hardware, "version_compatible": vc}), {})
+    assert backend.compatibility_key(a100, config) == expected
 
 
-def test_onnxruntime_backend_key_falls_back_to_the_options_level() -> None:
+def test_tensorrt_portability_option_builds_portable_plans() -> None:
+    backend = TensorRTBackend()
+    h100 = GPU_NODES["h100-sxm-80gb"].fingerprint
+    exact = backend.candidates(h100, CompileOptions())
+    portable = backend.candidates(h100, CompileOptions(portability="portable"))
+    assert all(backend.compatibility_key(h100, backend.runtime_config(c, {})) is None
+               for c in exact)
+    assert {backend.compatibility_key(h100, backend.runtime_config(c, {})) for c in portable} \
+        == {"trt-ampere-plus-x86-64-trt10.3-vc"} == {backend.portable_key(h100)}
+
+
+def test_onnxruntime_backend_key_follows_the_built_level() -> None:
     epyc = TABLE["epyc-7742-zen2"].fingerprint
     backend = OnnxRuntimeBackend()
-    assert backend.compatibility_key(epyc, CompileOptions(optimization_level=2), {}) == \
+    assert backend.compatibility_key(epyc, {"optimization_level": 2}) == \
         "ort-cpu-x86-64-portable-ort1.20"
-    assert backend.compatibility_key(epyc, CompileOptions(optimization_level=3), {}) is None
-    assert backend.compatibility_key(
-        epyc, CompileOptions(optimization_level=3), {"optimization_level": 1}) is not None
+    assert backend.compatibility_key(epyc, {"optimization_level": 3}) is None
+    assert backend.compatibility_key(epyc, {}) is None  # unknown level: hardware-specific
+    portable = backend.candidates(epyc, CompileOptions(portability="portable"))
+    assert portable and all(c.portable and c.config["optimization_level"] < 3 for c in portable)
 
 
 def test_portable_keys_are_what_portable_builds_record() -> None:
@@ -114,13 +127,12 @@ def test_portable_keys_are_what_portable_builds_record() -> None:
 
     h100 = GPU_NODES["h100-sxm-80gb"].fingerprint
     ort = OnnxRuntimeBackend()
-    assert ort.portable_key(h100) == ort.compatibility_key(
-        h100, CompileOptions(optimization_level=2), {"optimization_level": 2})
-    assert TensorRTBackend().portable_key(h100) is None  # default plans are not portable
-    ampere = TensorRTBackend(hardware_compatibility="ampere_plus")
-    assert ampere.portable_key(h100) == "trt-ampere-plus-x86-64-trt10.3"
-    assert ampere.portable_key(TABLE["epyc-7742-zen2"].fingerprint) is None
-    # the registered (default) backends: only onnxruntime builds portable engines
+    assert ort.portable_key(h100) == ort.compatibility_key(h100, {"optimization_level": 2})
+    trt = TensorRTBackend()
+    assert trt.portable_key(h100) == "trt-ampere-plus-x86-64-trt10.3-vc"
+    assert trt.portable_key(TABLE["epyc-7742-zen2"].fingerprint) is None
     assert fingerprint_keys(h100) == ["trt-sm90-nvidia-h100-80gb-hbm3-trt10.3",
                                       "ort-cpu-x86-64-v4-ort1.20"]
-    assert portable_keys(h100) == {"ort-cpu-x86-64-v4-ort1.20": "ort-cpu-x86-64-portable-ort1.20"}
+    assert portable_keys(h100) == {
+        "trt-sm90-nvidia-h100-80gb-hbm3-trt10.3": "trt-ampere-plus-x86-64-trt10.3-vc",
+        "ort-cpu-x86-64-v4-ort1.20": "ort-cpu-x86-64-portable-ort1.20"}

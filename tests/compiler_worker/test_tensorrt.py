@@ -11,7 +11,6 @@ import pytest
 
 from compiler_worker.backends.tensorrt import (
     TensorRTBackend,
-    builder_optimization_level,
     profile_shapes,
 )
 from kiln.examples import mlp
@@ -102,18 +101,30 @@ def test_bad_profiles_are_invalid_options(inputs, shapes, message) -> None:
 
 
 @pytest.mark.parametrize(
-    ("level", "budget", "expected"), [(0, 0, 0), (1, 0, 2), (2, 0, 3), (3, 0, 3), (3, 60, 5)]
+    ("level", "budget", "expected"), [(0, 300, [0]), (1, 300, [2]), (2, 300, [3]),
+                                      (3, 300, [3, 5]), (None, 300, [3, 5]), (None, 60, [3])]
 )
-def test_builder_optimization_level(level: int, budget: float, expected: int) -> None:
+def test_candidates_map_levels_and_budget(level: int | None, budget: float,
+                                          expected: list[int]) -> None:
     options = CompileOptions(optimization_level=level, tuning_budget_s=budget)
-    assert builder_optimization_level(options) == expected
+    found = TRT.candidates(H100, options)
+    assert [c.config["builder_optimization_level"] for c in found] == expected
+    assert {c.precision for c in found} == {"fp32"}
+
+
+def test_candidates_follow_the_precision_policy() -> None:
+    auto = TRT.candidates(H100, CompileOptions(precision="auto", tuning_budget_s=60))
+    assert [c.precision for c in auto] == ["fp32", "fp16", "bf16", "int8"]
+    assert auto[-1].skip and not any(c.skip for c in auto[:-1])
+    assert [c.precision for c in TRT.candidates(H100, CompileOptions(precision="fp16"))] == \
+        ["fp16", "fp16"]
 
 
 def test_runtime_config_and_timing_cache_path(tmp_path: Path) -> None:
-    backend = TensorRTBackend(timing_cache_dir=tmp_path, hardware_compatibility="ampere_plus",
-                              version_compatible=True)
-    config = backend.runtime_config(CompileOptions(precision=Precision.FP16),
-                                    {"x": ((1, 4), (2, 4), (8, 4))})
+    backend = TensorRTBackend(timing_cache_dir=tmp_path)
+    candidate = backend.candidates(H100, CompileOptions(precision=Precision.FP16,
+                                                        portability="portable"))[0]
+    config = backend.runtime_config(candidate, {"x": ((1, 4), (2, 4), (8, 4))})
     assert config["precision"] == "fp16"
     assert config["hardware_compatibility_level"] == "ampere_plus"
     assert config["version_compatible"] is True
@@ -121,11 +132,6 @@ def test_runtime_config_and_timing_cache_path(tmp_path: Path) -> None:
     expected_cache = tmp_path / "trt-sm90-nvidia-h100-80gb-hbm3-trt10.3.cache"
     assert backend.timing_cache_path(H100) == expected_cache
     assert TRT.timing_cache_path(H100) is None
-
-
-def test_unknown_hardware_compatibility_is_refused() -> None:
-    with pytest.raises(InvalidOptions, match="ampere_plus"):
-        TensorRTBackend(hardware_compatibility="everything")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt") is not None,

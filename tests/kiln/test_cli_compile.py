@@ -44,7 +44,7 @@ def test_fingerprint_prints_json_and_honours_a_declaration(tmp_path: Path):
     detected = runner.invoke(app, ["fingerprint"])
     assert detected.exit_code == 0
     fp = HardwareFingerprint.model_validate_json(detected.output)
-    assert fp.cpu.arch and fp.runtimes.onnxruntime
+    assert fp.cpu.arch and fp.runtimes.get("onnxruntime")
     declared = tmp_path / "fp.json"
     declared.write_text(json.dumps({"cpu": {"model": "Simulated CPU"}}))
     result = runner.invoke(app, ["fingerprint", "--fingerprint-file", str(declared)])

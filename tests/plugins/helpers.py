@@ -32,7 +32,7 @@ from schemas.plugins import PluginRef
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "plugins"
-FAST = CompileOptions(verify_samples=2, benchmark_iterations=3)
+FAST = CompileOptions(verify_samples=2, benchmark_iterations=3, tune="off")
 
 
 def _example(name: str) -> ModuleType:

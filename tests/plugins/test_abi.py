@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 
 from runtime_agent.executors import OnnxRuntimeExecutor
-from runtime_agent.fingerprint import onnxruntime_version
+from runtime_agent.executors.onnxruntime import onnxruntime_api_version
 from runtime_agent.plugins import (
     AbiMismatch,
     check_abi,
-    onnxruntime_api_version,
     parse_abi,
     platform_tag,
     runtime_abi,
@@ -21,7 +20,7 @@ from runtime_agent.plugins import (
 
 
 def test_this_runtime_tags_itself_with_platform_and_onnxruntime_api() -> None:
-    minor = int(onnxruntime_version().split(".")[1])
+    minor = int(OnnxRuntimeExecutor.probe_version().split(".")[1])
     assert onnxruntime_api_version() == minor
     assert onnxruntime_api_version("1.17.3") == 17 and onnxruntime_api_version("2.0.0") is None
     arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(),

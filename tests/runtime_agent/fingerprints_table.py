@@ -179,10 +179,10 @@ def fingerprint(name: str) -> HardwareFingerprint:
 
 def with_tensorrt(fp: HardwareFingerprint, version: str | None) -> HardwareFingerprint:
     """``fp`` with another TensorRT version."""
-    return fp.model_copy(update={"runtimes": fp.runtimes.model_copy(update={"tensorrt": version})})
+    return fp.model_copy(update={"runtimes": {**fp.runtimes, **{"tensorrt": version}}})
 
 
 def with_onnxruntime(fp: HardwareFingerprint, version: str | None) -> HardwareFingerprint:
     """``fp`` with another onnxruntime version."""
     return fp.model_copy(
-        update={"runtimes": fp.runtimes.model_copy(update={"onnxruntime": version})})
+        update={"runtimes": {**fp.runtimes, **{"onnxruntime": version}}})

@@ -31,7 +31,7 @@ from schemas.errors import ErrorBody, ErrorCode
 from schemas.manifest import ArtifactManifest, BlobRef
 from schemas.options import CompileOptions
 
-FAST = CompileOptions(verify_samples=2, benchmark_iterations=3)
+FAST = CompileOptions(verify_samples=2, benchmark_iterations=3, tune="off")
 TOKEN = "agent-test-token"
 
 

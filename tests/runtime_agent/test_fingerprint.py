@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from runtime_agent import fingerprint as fingerprint_module
 from runtime_agent.fingerprint import (
     ARM_FEATURES,
     X86_FEATURES,
@@ -69,10 +68,10 @@ def test_detects_this_machine() -> None:
     assert fp.cpu.memory_bytes > 0
     assert fp.cpu.features == sorted(fp.cpu.features)
     assert set(fp.cpu.features) <= X86_FEATURES | set(ARM_FEATURES.values())
-    assert fp.runtimes.onnxruntime == onnxruntime.__version__
-    assert fp.runtimes.onnx == onnx.__version__
+    assert fp.runtimes.get("onnxruntime") == onnxruntime.__version__
+    assert fp.runtimes.get("onnx") == onnx.__version__
     if importlib.util.find_spec("pynvml") is None:
-        assert fp.accelerators == [] and fp.runtimes.cuda is None
+        assert fp.accelerators == [] and fp.runtimes.get("cuda") is None
     assert fp.os == platform.platform()
     assert isa_class(fp.cpu).startswith(("x86-64", "armv8")) or isa_class(fp.cpu) == fp.cpu.arch
     if Path("/proc/cpuinfo").exists() and fp.cpu.arch == "x86_64":
@@ -255,16 +254,19 @@ def test_real_nvml_library_without_a_driver_means_no_accelerators(monkeypatch) -
 def test_detected_fingerprint_carries_gpus_and_cuda(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml([L4]))
     fp = detect_fingerprint()
-    assert fp.accelerators[0].name == "NVIDIA L4" and fp.runtimes.cuda == "12.4"
+    assert fp.accelerators[0].name == "NVIDIA L4" and fp.runtimes.get("cuda") == "12.4"
 
 
 def test_tensorrt_version_without_metadata_reads_the_module(monkeypatch) -> None:
-    monkeypatch.setattr(fingerprint_module, "_version", lambda *names: None)
-    monkeypatch.setattr(fingerprint_module, "find_spec", lambda name: object())
+    from runtime_agent.executors import tensorrt as trt_module
+    from runtime_agent.executors.tensorrt import TensorRTExecutor
+
+    monkeypatch.setattr(trt_module, "package_version", lambda *names: None)
+    monkeypatch.setattr(trt_module, "find_spec", lambda name: object())
     monkeypatch.setitem(sys.modules, "tensorrt", SimpleNamespace(__version__="10.3.0.30"))
-    assert fingerprint_module.tensorrt_version() == "10.3.0.30"
-    monkeypatch.setattr(fingerprint_module, "find_spec", lambda name: None)
-    assert fingerprint_module.tensorrt_version() is None
+    assert TensorRTExecutor.probe_version() == "10.3.0.30"
+    monkeypatch.setattr(trt_module, "find_spec", lambda name: None)
+    assert TensorRTExecutor.probe_version() is None
 
 
 # -- declared fingerprints: partial files merge onto the detected one ---------------------------
@@ -285,8 +287,8 @@ def test_partial_declaration_merges_onto_detection(tmp_path: Path) -> None:
     resolved = resolve_fingerprint(path)
     assert resolved.source == "declared"
     assert resolved.cpu == detected.cpu and resolved.os == detected.os
-    assert resolved.runtimes.onnxruntime == detected.runtimes.onnxruntime
-    assert resolved.runtimes.tensorrt == "10.3.0"
+    assert resolved.runtimes.get("onnxruntime") == detected.runtimes.get("onnxruntime")
+    assert resolved.runtimes.get("tensorrt") == "10.3.0"
     assert [a.name for a in resolved.accelerators] == ["NVIDIA L4"]
 
 
@@ -297,7 +299,11 @@ def test_declaration_replaces_lists_and_merges_objects() -> None:
 
 
 def test_complete_declaration_resolves_to_itself(tmp_path: Path) -> None:
-    declared = HardwareFingerprint(os="Linux", cpu=CpuInfo(arch="aarch64", features=["neon"]))
+    from runtime_agent.fingerprint import detect_runtimes
+
+    # runtimes merge by name: a complete declaration names every runtime this machine probes
+    declared = HardwareFingerprint(os="Linux", cpu=CpuInfo(arch="aarch64", features=["neon"]),
+                                   runtimes={name: None for name in detect_runtimes()})
     path = tmp_path / "fp.json"
     path.write_text(declared.model_dump_json())
     assert resolve_fingerprint(path) == load_fingerprint(path)
