@@ -165,9 +165,10 @@ def verify(
 ) -> VerificationResult:
     """Compare the engine with the reference on ``options.verify_samples`` random feeds.
 
-    Feed ``i`` uses seed ``options.seed + i`` and the integer ``ranges`` of ``random_inputs``. ``max_rel_error`` is taken over elements whose
-    reference is non-zero (where it is zero, only ``atol`` applies). ``reference`` names what
-    produced the reference outputs. Never raises on a numeric mismatch: the result says.
+    Feed ``i`` uses seed ``options.seed + i`` and the integer ``ranges`` of ``random_inputs``.
+    ``max_rel_error`` is taken over elements whose reference is non-zero (where it is zero,
+    only ``atol`` applies). ``reference`` names what produced the reference outputs. Never
+    raises on a numeric mismatch: the result says.
     """
     atol, rtol = options.tolerance.atol, options.tolerance.rtol
     stats: dict[str, _OutputStats] = {}

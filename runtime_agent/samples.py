@@ -7,6 +7,7 @@ health-checks a freshly loaded engine on them before it serves.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,9 +15,24 @@ from schemas.errors import InvalidModel, InvalidRequest
 from schemas.manifest import TensorSpec
 from schemas.onnx_model import UNKNOWN_RANK
 
-#: Integer inputs are drawn from [0, INT_HIGH): small enough to index the tables a model
-#: gathers from (token ids, class ids), so random feeds stay in range.
+#: Integer inputs with no range of their own are drawn from [0, INT_HIGH): small enough to
+#: index most tables a model gathers from. ``compiler_worker.inputs`` finds the real range of
+#: an input that indexes a table (a vocabulary, a type table, a one-hot depth) in the graph.
 INT_HIGH = 8
+
+
+@dataclass(frozen=True)
+class IntegerRange:
+    """Feeds for one integer input drawn uniformly from ``[low, high)``, and why that range."""
+
+    low: int
+    high: int
+    #: What the range comes from, e.g. ``Gather on embeddings.word_embeddings.weight axis 0``.
+    reason: str = ""
+
+    def describe(self, dtype: str) -> str:
+        text = f"{dtype} in [{self.low}, {self.high})"
+        return f"{text} ({self.reason})" if self.reason else text
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -54,19 +70,70 @@ def sample_shape(spec: TensorSpec, shape: list[int] | None = None) -> list[int]:
     return [d if isinstance(d, int) else 1 for d in spec.shape]
 
 
+def _check_ranges(specs: list[TensorSpec], ranges: Mapping[str, IntegerRange]) -> None:
+    by_name = {spec.name: spec for spec in specs}
+    for name, bounds in ranges.items():
+        spec = by_name.get(name)
+        if spec is None:
+            raise InvalidRequest(
+                f"an integer range is given for {name!r}, which is not an input; the inputs "
+                f"are {sorted(by_name)}"
+            )
+        dtype = numpy_dtype(spec.dtype)
+        if dtype.kind not in "iu":
+            raise InvalidRequest(
+                f"an integer range is given for input {name!r}, which is a {spec.dtype} "
+                f"tensor; ranges apply to integer inputs only"
+            )
+        info = np.iinfo(dtype)
+        if not info.min <= bounds.low < bounds.high <= info.max + 1:
+            raise InvalidRequest(
+                f"integer range [{bounds.low}, {bounds.high}) for input {name!r} is empty or "
+                f"does not fit {spec.dtype} (expected {info.min} <= low < high <= "
+                f"{info.max + 1})"
+            )
+
+
+def describe_inputs(
+    specs: list[TensorSpec], ranges: Mapping[str, IntegerRange] | None = None
+) -> dict[str, str]:
+    """What ``sample_inputs`` draws for each input, in words (for manifests and reports)."""
+    ranges = ranges or {}
+    _check_ranges(specs, ranges)
+    described: dict[str, str] = {}
+    for spec in specs:
+        kind = numpy_dtype(spec.dtype).kind
+        if kind == "b":
+            described[spec.name] = f"{spec.dtype} fair coin flips"
+        elif kind in "iu":
+            bounds = ranges.get(spec.name) or IntegerRange(
+                0, INT_HIGH, "default: no table it indexes was found")
+            described[spec.name] = bounds.describe(spec.dtype)
+        elif kind in "OSU":
+            described[spec.name] = f"{spec.dtype}: cannot be generated"
+        else:
+            described[spec.name] = f"{spec.dtype} standard normal"
+    return described
+
+
 def sample_inputs(
     specs: list[TensorSpec],
     shapes: Mapping[str, list[int]] | None = None,
     *,
     seed: int = 0,
+    ranges: Mapping[str, IntegerRange] | None = None,
 ) -> dict[str, np.ndarray]:
-    """One seeded random feed for ``specs`` (same seed and shapes, same arrays).
+    """One seeded random feed for ``specs`` (same seed, shapes and ranges, same arrays).
 
     ``shapes`` gives concrete shapes by input name; inputs it omits get their spec's shape
-    with dynamic dimensions set to 1. Floats are standard normal, integers uniform in
-    ``[0, INT_HIGH)``, booleans fair coin flips. String inputs raise ``InvalidModel``.
+    with dynamic dimensions set to 1. Floats are standard normal, booleans fair coin flips,
+    integers uniform in ``ranges[name]`` where given (``InvalidRequest`` if that range names
+    no integer input or does not fit its dtype), else in ``[0, INT_HIGH)``. String inputs
+    raise ``InvalidModel``.
     """
     shapes = shapes or {}
+    ranges = ranges or {}
+    _check_ranges(specs, ranges)
     rng = np.random.default_rng(seed)
     feed: dict[str, np.ndarray] = {}
     for spec in specs:
@@ -75,7 +142,9 @@ def sample_inputs(
         if dtype.kind == "b":
             feed[spec.name] = rng.random(shape) < 0.5
         elif dtype.kind in "iu":
-            feed[spec.name] = rng.integers(0, INT_HIGH, size=shape).astype(dtype)
+            bounds = ranges.get(spec.name)
+            low, high = (bounds.low, bounds.high) if bounds else (0, INT_HIGH)
+            feed[spec.name] = rng.integers(low, high, size=shape).astype(dtype)
         elif dtype.kind == "c":
             feed[spec.name] = (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)
                                ).astype(dtype)
