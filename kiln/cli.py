@@ -295,7 +295,8 @@ def submit(
     api_url: ApiUrl = None,
     token_: Token = None,
 ) -> None:
-    """Upload MODEL.onnx and queue a compile job per target (default: every live worker key)."""
+    """Upload MODEL.onnx (with the external data files it references, beside it) and queue a
+    compile job per target (default: every live worker key)."""
     options = _options(precision, opt_level, atol, rtol, options_file, tune, portability)
     with _client(api_url, token_) as client:
         info = client.upload_model(model, name=name)
@@ -609,10 +610,12 @@ def compile(
         "--calibration", exists=True, dir_okay=False,
         help="an .npz of representative inputs for static int8 calibration")] = None,
 ) -> None:
-    """Compile MODEL.onnx for this machine in-process (no services); write the artifact dir."""
+    """Compile MODEL.onnx (with the external data files it references, beside it) for this
+    machine in-process (no services); write the artifact dir."""
     from artifact_store.bundles import read_bundle
     from artifact_store.digest import sha256_file
     from compiler_worker.pipeline import compile_model, write_artifact_dir
+    from kiln.model_files import model_blob
     from runtime_agent.fingerprint import detect_fingerprint
     from schemas.plugins import PluginRef
 
@@ -631,8 +634,10 @@ def compile(
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=err) as progress, tempfile.TemporaryDirectory() as tmp:
         bar = progress.add_task("loading", total=1.0)
+        # The .onnx with the external data files it references (beside it), as one blob.
+        blob = model_blob(model, Path(tmp) / "model-blob").read_bytes()
         result = compile_model(
-            model.read_bytes(), options, fingerprint=detect_fingerprint(), workdir=Path(tmp),
+            blob, options, fingerprint=detect_fingerprint(), workdir=Path(tmp) / "work",
             on_stage=lambda stage, p: progress.update(bar, description=stage.value, completed=p),
             plugins=plugins, samples=sample_arrays, calibration=calibration_arrays,
         )

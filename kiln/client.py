@@ -55,13 +55,23 @@ class KilnClient:
 
     # models
     def upload_model(self, model: Path | bytes, *, name: str | None = None) -> ModelInfo:
-        data = model.read_bytes() if isinstance(model, Path) else model
-        filename = model.name if isinstance(model, Path) else "model.onnx"
+        """Upload a model: ``.onnx`` bytes, or a path to a ``.onnx`` (sent together with the
+        external data files it references, found beside it and streamed) or to a model
+        archive (tar)."""
         form = {"name": name} if name else {}
-        response = self._call(
-            "POST", "/v1/models", files={"file": (filename, data, "application/octet-stream")},
-            data=form,
-        )
+        if not isinstance(model, Path):
+            files = [("file", ("model.onnx", model, "application/octet-stream"))]
+            response = self._call("POST", "/v1/models", files=files, data=form)
+            return ModelInfo.model_validate(response.json())
+        from contextlib import ExitStack
+
+        from kiln.model_files import model_files
+
+        with ExitStack() as stack:
+            files = [("file", (location, stack.enter_context(path.open("rb")),
+                               "application/octet-stream"))
+                     for location, path in model_files(model).items()]
+            response = self._call("POST", "/v1/models", files=files, data=form)
         return ModelInfo.model_validate(response.json())
 
     def get_model(self, model_id: str) -> ModelInfo:

@@ -31,3 +31,33 @@ def data_files_beside(model_path: Path) -> dict[str, Path]:
                                f"beside it ({path} does not exist)", missing_files=[ref.path])
         files[ref.path] = path
     return files
+
+
+def model_files(model_path: Path) -> dict[str, Path]:
+    """What to upload for the model at ``model_path``: upload name -> path. A model archive
+    (tar) alone; a ``.onnx`` first, under its own name, then its data files by location."""
+    from schemas.onnx_model import is_tar
+
+    model_path = Path(model_path)
+    with model_path.open("rb") as handle:
+        if is_tar(handle.read(512)):
+            return {model_path.name: model_path}
+    data = data_files_beside(model_path)
+    name = model_path.name if model_path.name.endswith(".onnx") else f"{model_path.name}.onnx"
+    if name in data:
+        raise InvalidModel(f"{model_path.name} keeps tensors in a file of its own name")
+    return {name: model_path, **data}
+
+
+def model_blob(model_path: Path, dest: Path) -> Path:
+    """Write the canonical model blob for the model at ``model_path`` (a ``.onnx`` with its
+    data files beside it, or a model archive) to ``dest``: the bytes the API would store, so
+    ``kiln compile`` and the compile farm see the same model id."""
+    from artifact_store.model_archive import canonical_model_blob, pack_model_files
+
+    files = model_files(model_path)
+    if len(files) == 1:
+        canonical_model_blob(Path(model_path), dest)
+    else:
+        pack_model_files(Path(model_path), dict(list(files.items())[1:]), dest)
+    return dest

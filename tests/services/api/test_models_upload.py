@@ -103,3 +103,18 @@ def test_hostile_uploads_are_4xx(api: TestClient, tmp_path: Path, case: str) -> 
     assert 400 <= response.status_code < 500, response.text
     assert response.json()["message"]
     assert api.get("/v1/models").json() == []
+
+
+def test_sdk_uploads_the_onnx_with_its_data_files(api: TestClient, tmp_path: Path) -> None:
+    from kiln.client import KilnClient
+
+    model_path = external_cnn(tmp_path / "m")
+    client = KilnClient("http://testserver", None)
+    client.http = api  # the SDK's requests go to the real app in-process
+    info = client.upload_model(model_path, name="cnn")
+    assert info.id == hashlib.sha256(_canonical(model_path, tmp_path)).hexdigest()
+    (model_path.parent / "model.onnx.data").unlink()
+    from schemas.errors import InvalidModel
+
+    with pytest.raises(InvalidModel, match="not beside it"):
+        client.upload_model(model_path)
