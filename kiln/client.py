@@ -19,6 +19,7 @@ from schemas import (
     CompileOptions,
     ModelInfo,
 )
+from schemas.datasets import DatasetInfo
 from schemas.errors import KilnError
 
 
@@ -76,6 +77,22 @@ class KilnClient:
 
     def get_model(self, model_id: str) -> ModelInfo:
         return ModelInfo.model_validate(self._call("GET", f"/v1/models/{model_id}").json())
+
+    # datasets
+    def push_dataset(self, path: Path | bytes) -> DatasetInfo:
+        """Upload an ``.npz`` of sample inputs (one array per model input, first axis = the
+        sample index); the same bytes return the same dataset."""
+        data = path.read_bytes() if isinstance(path, Path) else path
+        filename = path.name if isinstance(path, Path) else "samples.npz"
+        files = {"file": (filename, data, "application/x-npz")}
+        return DatasetInfo.model_validate(self._call("POST", "/v1/datasets", files=files).json())
+
+    def list_datasets(self, *, limit: int = 100) -> list[DatasetInfo]:
+        response = self._call("GET", "/v1/datasets", params={"limit": limit})
+        return [DatasetInfo.model_validate(d) for d in response.json()]
+
+    def get_dataset(self, dataset_id: str) -> DatasetInfo:
+        return DatasetInfo.model_validate(self._call("GET", f"/v1/datasets/{dataset_id}").json())
 
     # jobs
     def create_jobs(

@@ -41,6 +41,9 @@ class KilnSettings(BaseSettings):
     trusted_keys: list[Path] = Field(default_factory=list)
 
     max_upload_bytes: int = Field(2 * 1024**3, ge=1)
+    #: Largest ``.npz`` dataset accepted, as uploaded and as its arrays unpack (a dataset is
+    #: loaded whole into a worker's memory).
+    max_dataset_bytes: int = Field(512 * 1024**2, ge=1)
     api_host: str = "127.0.0.1"
     api_port: int = 8000
     #: Lifetime of presigned download URLs, seconds.

@@ -16,6 +16,7 @@ from services.api.limits import BodySizeLimit
 from services.api.routers import (
     agents,
     artifacts,
+    datasets,
     deployments,
     fleet,
     health,
@@ -67,8 +68,8 @@ def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = T
 
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_upload_bytes)
-    for module in (health, models, jobs, artifacts, workers, deployments, agents, fleet,
-                   plugins):
+    for module in (health, models, datasets, jobs, artifacts, workers, deployments, agents,
+                   fleet, plugins):
         app.include_router(module.router)
     logger.info("API ready: store %s, database %s", settings.store_uri, engine.url.drivername)
     return app

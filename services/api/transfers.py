@@ -55,10 +55,11 @@ def blob_response(store: ArtifactStore, ref: BlobRef, range_header: str | None, 
 @asynccontextmanager
 async def received_upload(
     file: UploadFile, *, max_bytes: int, what: str,
-    empty_error: type[KilnError] = InvalidRequest,
+    empty_error: type[KilnError] = InvalidRequest, limit_name: str = "KILN_MAX_UPLOAD_BYTES",
 ) -> AsyncIterator[tuple[Path, int]]:
     """The upload ``file`` written to a temporary file: (path, size), removed on exit.
-    Over ``max_bytes`` raises ``ModelTooLarge``; an empty upload raises ``empty_error``."""
+    Over ``max_bytes`` (the setting ``limit_name``) raises ``ModelTooLarge``; an empty upload
+    raises ``empty_error``."""
     with tempfile.TemporaryDirectory(prefix="kiln-upload-") as tmp:
         path = Path(tmp) / "upload"
         size = 0
@@ -67,7 +68,7 @@ async def received_upload(
                 size += len(chunk)
                 if size > max_bytes:
                     raise ModelTooLarge(f"{what} is over the limit of {max_bytes} bytes "
-                                        "(KILN_MAX_UPLOAD_BYTES)", limit_bytes=max_bytes)
+                                        f"({limit_name})", limit_bytes=max_bytes)
                 out.write(chunk)
         if size == 0:
             raise empty_error(f"the upload is empty; expected {what}")

@@ -213,3 +213,16 @@ class PluginRow(Base):
     #: ``PluginManifest.model_dump(mode="json")``.
     manifest: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class DatasetRow(Base):
+    """An uploaded ``.npz`` of sample inputs, keyed by the sha256 of its bytes."""
+
+    __tablename__ = "datasets"
+
+    id: Mapped[str] = mapped_column(sa.String(SHA256_LEN), primary_key=True)
+    blob_key: Mapped[str] = mapped_column(sa.String(1024))
+    size_bytes: Mapped[int] = mapped_column(sa.BigInteger)
+    #: ``[TensorSpec.model_dump(mode="json"), ...]``: name, dtype, shape (first axis: samples).
+    tensors: Mapped[list[dict[str, Any]]] = mapped_column(sa.JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -25,6 +25,8 @@ def apply_deployment(
     spec: DeploymentCreate, response: Response, session: SessionDep, queue: QueueDep,
     _: AdminPrincipal,
 ) -> DeploymentApplied:
+    model = repo.get_model(session, model_id=spec.model_id)
+    repo.check_compile_datasets(session, model=model, options=spec.options)
     deployment, created = repo.apply_deployment(session, spec=spec)
     session.commit()
     if not created:

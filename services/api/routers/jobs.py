@@ -20,7 +20,8 @@ router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"])
 def create_compile_jobs(
     request: CompileJobCreate, session: SessionDep, queue: QueueDep, _: AdminPrincipal
 ) -> CompileJobBatch:
-    repo.get_model(session, model_id=request.model_id)  # 404 before anything is written
+    model = repo.get_model(session, model_id=request.model_id)  # 404 before any write
+    repo.check_compile_datasets(session, model=model, options=request.options)
     digest = request.options.digest()
     served = repo.live_worker_keys(session)
     jobs: list[CompileJob] = []

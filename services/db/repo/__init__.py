@@ -6,9 +6,10 @@ models (never ORM rows), and flushes without committing: the caller owns the tra
 same artifact published by a redelivered task) run in a SAVEPOINT and fall back to reading
 the row the other writer committed.
 
-One module per aggregate (``models``, ``jobs``, ``artifacts``, ``workers``, ``deployments``,
-``agents``, ``plugins``); shared helpers live in ``_common``. Everything public is re-exported
-here, so callers write ``from services.db import repo`` and ``repo.get_model(...)``.
+One module per aggregate (``models``, ``datasets``, ``jobs``, ``artifacts``, ``workers``,
+``deployments``, ``agents``, ``plugins``); shared helpers live in ``_common``. Everything
+public is re-exported here, so callers write ``from services.db import repo`` and
+``repo.get_model(...)``.
 """
 
 from services.db.repo._common import (
@@ -29,6 +30,14 @@ from services.db.repo.artifacts import (
     get_manifest,
     list_artifacts,
     record_artifact,
+)
+from services.db.repo.datasets import (
+    check_compile_datasets,
+    get_dataset,
+    get_dataset_blob_key,
+    list_datasets,
+    record_dataset,
+    require_dataset,
 )
 from services.db.repo.deployments import (
     apply_deployment,
@@ -84,6 +93,7 @@ __all__ = [
     "WORKER_GRACE",
     "agent_heartbeat",
     "apply_deployment",
+    "check_compile_datasets",
     "create_cached_job",
     "create_job",
     "delete_deployment",
@@ -93,6 +103,8 @@ __all__ = [
     "find_compatible_artifact",
     "get_agent",
     "get_artifact",
+    "get_dataset",
+    "get_dataset_blob_key",
     "get_deployment",
     "get_job",
     "get_manifest",
@@ -104,6 +116,7 @@ __all__ = [
     "latest_job",
     "list_agents",
     "list_artifacts",
+    "list_datasets",
     "list_deployments",
     "list_jobs",
     "list_models",
@@ -113,9 +126,11 @@ __all__ = [
     "plugins_current",
     "plugins_for_ops",
     "record_artifact",
+    "record_dataset",
     "record_plugin",
     "register_agent",
     "release_waiting_jobs",
+    "require_dataset",
     "set_job_stage",
     "set_job_status",
     "start_job",
