@@ -269,6 +269,9 @@ def tune(
         result = CandidateResult(name=candidate.name, backend=backend.name,
                                  config=dict(candidate.config), precision=candidate.precision,
                                  outcome=CandidateOutcome.SLOWER)
+        if candidate.needs_calibration:
+            result.config["calibration"] = calibration_note or (
+                f"the calibration dataset ({len(calibration)} samples)")
         trial = Trial(candidate, result)
         trials.append(trial)
         if candidate.skip:
@@ -308,11 +311,6 @@ def tune(
             result.outcome, result.reason = CandidateOutcome.FAILED_BUILD, exc.message
             trial.executor = None
         logger.info("candidate %s: %s %s", candidate.name, result.outcome.value, result.reason)
-    if calibration_note:
-        for trial in trials:
-            if trial.candidate.needs_calibration and trial.executor is not None:
-                trial.result.reason = (trial.result.reason + "; " if trial.result.reason
-                                       else "") + calibration_note
     passing = [t for t in trials if t.executor is not None
                and t.result.outcome is CandidateOutcome.SLOWER]
     rounds = iterations = 0

@@ -12,7 +12,7 @@ from compiler_worker.backends import OnnxRuntimeBackend, backend_for
 from compiler_worker.backends.base import major_minor, slug, version_tuple
 from kiln.examples import mlp
 from runtime_agent.fingerprint import isa_class
-from schemas.errors import BackendUnavailable, FingerprintMismatch, InvalidRequest
+from schemas.errors import BackendUnavailable, FingerprintMismatch, InvalidOptions, InvalidRequest
 from schemas.fingerprint import AcceleratorInfo, CpuInfo, HardwareFingerprint, RuntimeVersions
 from schemas.options import CompileOptions, Precision
 
@@ -101,14 +101,14 @@ def test_backend_for_explains_every_refusal() -> None:
         backend_for(cpu_fp(V4), CompileOptions(backends=["tensorrt"]))
     assert e.value.details["registered"] == ["tensorrt", "onnxruntime"]
     with pytest.raises(BackendUnavailable, match="onnxruntime: the onnxruntime CPU backend builds "
-                                                 "fp32 engines only"):
-        backend_for(cpu_fp(V4), CompileOptions(precision=Precision.BF16))
+                                                 "no fp16 engines"):
+        backend_for(cpu_fp(V4), CompileOptions(precision=Precision.FP16))
 
 
 def test_onnxruntime_build_refuses_fp16(tmp_path: Path) -> None:
     path = tmp_path / "m.onnx"
     onnx.save(mlp(), path)
-    with pytest.raises(BackendUnavailable, match="fp32 engines only; precision fp16"):
+    with pytest.raises(BackendUnavailable, match="builds no fp16 engines"):
         ORT.build(path, CompileOptions(precision=Precision.FP16), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -116,7 +116,7 @@ def test_onnxruntime_build_refuses_fp16(tmp_path: Path) -> None:
 def test_onnxruntime_build_checks_its_inputs(tmp_path: Path,
                                              fingerprint: HardwareFingerprint) -> None:
     with pytest.raises(InvalidRequest, match="does not exist"):
-        ORT.build(tmp_path / "absent.onnx", CompileOptions(), tmp_path)
+        ORT.build(tmp_path / "absent.onnx", CompileOptions(), tmp_path, fingerprint=fingerprint)
     path = tmp_path / "m.onnx"
     onnx.save(mlp(), path)
     other = fingerprint.model_copy(
@@ -136,6 +136,32 @@ def test_onnxruntime_build_writes_an_engine(tmp_path: Path, level: int,
     assert (name, media_type) == ("engine", "application/x-onnx")
     assert engine.stat().st_size > 0
     assert built.runtime_config == {"graph_optimization_level": 0, "optimization_level": level,
-                                    "providers": ["CPUExecutionProvider"]}
+                                    "providers": ["CPUExecutionProvider"], "precision": "fp32"}
     assert built.toolchain == ORT.toolchain()
     assert built.toolchain.startswith("onnxruntime-") and "+kiln-pipeline-" in built.toolchain
+
+
+def test_onnxruntime_candidates_follow_options(fingerprint: HardwareFingerprint) -> None:
+    fp32 = ORT.candidates(fingerprint, CompileOptions())
+    assert [c.config["optimization_level"] for c in fp32][:3] == [3, 1, 2]
+    assert {c.precision for c in fp32} == {"fp32"}
+    auto = ORT.candidates(fingerprint, CompileOptions(precision="auto"))
+    assert {"int8-dynamic", "int8-static-qdq"} <= {c.precision for c in auto}
+    assert [c for c in auto if c.precision == "int8-static-qdq"][0].needs_calibration
+    pinned = ORT.candidates(fingerprint, CompileOptions(optimization_level=1, precision="int8"))
+    assert {c.config["optimization_level"] for c in pinned} == {1}
+    assert {c.precision for c in pinned} == {"int8-dynamic", "int8-static-qdq"}
+    with pytest.raises(InvalidOptions, match="portability: portable"):
+        ORT.candidates(fingerprint, CompileOptions(optimization_level=3, portability="portable"))
+
+
+def test_bf16_is_skipped_without_the_instructions(fingerprint: HardwareFingerprint) -> None:
+    x86 = fingerprint.model_copy(update={"cpu": fingerprint.cpu.model_copy(
+        update={"arch": "x86_64", "features": ["avx2", "avx512_bf16"]})})
+    [bf16] = [c for c in ORT.candidates(x86, CompileOptions(precision="auto"))
+              if c.precision.startswith("bf16")]
+    assert "aarch64" in bf16.skip
+    arm = fingerprint.model_copy(update={"cpu": fingerprint.cpu.model_copy(
+        update={"arch": "aarch64", "features": ["neon", "bf16"]})})
+    [bf16] = [c for c in ORT.candidates(arm, CompileOptions(precision="bf16"))]
+    assert not bf16.skip and bf16.config["bf16_fastmath"]
