@@ -14,7 +14,7 @@ kernel per op), so verification checks what the engine's optimizations did aroun
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,7 @@ from schemas.manifest import TensorSpec, VerificationResult
 from schemas.options import CompileOptions
 
 if TYPE_CHECKING:
+    from runtime_agent.plugins import LoadedPlugin
     from runtime_agent.plugins.onnxruntime import SessionCustomOps
 
 logger = logging.getLogger(__name__)
@@ -202,6 +203,35 @@ def verify(
     return result
 
 
+def verification_result(
+    got: Sequence[Mapping[str, Any]], expected: Sequence[Mapping[str, Any]],
+    options: CompileOptions, *, reference: str,
+) -> VerificationResult:
+    """Compare an engine's outputs ``got`` with the reference's ``expected``, feed by feed,
+    element-wise within ``options.tolerance`` (the rule of ``verify``)."""
+    atol, rtol = options.tolerance.atol, options.tolerance.rtol
+    stats: dict[str, _OutputStats] = {}
+    for engine_out, ref_out in zip(got, expected, strict=True):
+        for name, ref in ref_out.items():
+            entry = stats.setdefault(name, _OutputStats())
+            if name not in engine_out:
+                entry.flags["missing"] = 1.0
+                continue
+            entry.add(engine_out[name], ref, atol, rtol)
+    if not stats:
+        raise CompileError("the reference produced no outputs to verify against")
+    return VerificationResult(
+        passed=all(s.passed for s in stats.values()),
+        samples=len(expected),
+        max_abs_error=max(s.max_abs_error for s in stats.values()),
+        max_rel_error=max(s.max_rel_error for s in stats.values()),
+        atol=atol,
+        rtol=rtol,
+        reference=reference,
+        per_output={name: s.as_dict() for name, s in stats.items()},
+    )
+
+
 class OnnxRuntimeReference:
     """The reference runner: a model on onnxruntime's CPU provider, optimizations disabled."""
 
@@ -223,8 +253,26 @@ class OnnxRuntimeReference:
                     f"{description}"
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        values = self.session.run(self.output_names, dict(inputs))
+        try:
+            values = self.session.run(self.output_names, dict(inputs))
+        except Exception as exc:  # onnxruntime raises its own untyped errors
+            raise CompileError(
+                f"the reference ({self.name}) cannot run on inputs "
+                f"{ {k: (str(v.dtype), list(v.shape)) for k, v in inputs.items()} }: {exc}"
+            ) from exc
         return dict(zip(self.output_names, values, strict=True))
+
+
+def reference_custom_ops(plugins: Sequence[LoadedPlugin],
+                         ops: Iterable[str]) -> SessionCustomOps | None:
+    """What the reference session registers for the model's custom ops: the plugins' CPU
+    kernels, whatever backend the engine is built for (the reference always runs on
+    onnxruntime's CPU provider)."""
+    if not plugins:
+        return None
+    from runtime_agent.plugins.onnxruntime import SessionCustomOps
+
+    return SessionCustomOps.resolve(list(plugins), set(ops), "cpu")
 
 
 def reference_runner(
@@ -271,11 +319,12 @@ def check_conversion(original: onnx.ModelProto, converted: onnx.ModelProto, *, w
     """
     from onnx.reference import ReferenceEvaluator
 
+    from compiler_worker.inputs import input_ranges
     from compiler_worker.modelio import signature
 
     inputs, outputs = signature(original)
     try:
-        feed = sample_inputs(inputs, seed=seed)
+        feed = sample_inputs(inputs, seed=seed, ranges=input_ranges(original))
     except KilnError as exc:
         logger.warning("%s not checked: no inputs can be generated (%s)", what, exc)
         return f"unchecked: {exc}"
