@@ -562,6 +562,24 @@ def datasets(limit: int = 50, api_url: ApiUrl = None, token_: Token = None) -> N
 
 
 @app.command()
+def tuning(
+    artifact_or_model: Annotated[str, typer.Argument(
+        help="an artifact id (its table), or a model id (every tuning record of the model)")],
+    api_url: ApiUrl = None,
+    token_: Token = None,
+) -> None:
+    """Show the tuner's candidate table: every candidate, its figures, and why it lost."""
+    from kiln.ui import tuning_table
+
+    with _client(api_url, token_) as client:
+        tables = client.tuning(artifact_or_model)
+    if not tables:
+        err.print(f"no tuning records for {artifact_or_model}")
+    for table in tables:
+        console.print(tuning_table(table))
+
+
+@app.command()
 def fingerprint(
     fingerprint_file: Annotated[Path | None, typer.Option(exists=True)] = None,
     older_variant: Annotated[bool, typer.Option(

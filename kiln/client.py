@@ -20,7 +20,8 @@ from schemas import (
     ModelInfo,
 )
 from schemas.datasets import DatasetInfo
-from schemas.errors import KilnError
+from schemas.errors import ErrorCode, KilnError
+from schemas.tuning import TuningTable
 
 
 class KilnClient:
@@ -150,6 +151,22 @@ class KilnClient:
         redirect without credentials, size and sha256 verified (the agent's download path)."""
         return download(self.http, f"/v1/artifacts/{artifact_id}/blobs/{ref.name}", dest,
                         size=ref.size, sha256=ref.sha256)
+
+    # tuning
+    def tuning(self, artifact_or_model_id: str) -> list[TuningTable]:
+        """The tuner's candidate tables: the one behind an artifact, or, for a model id, one
+        per tuning record of that model (per fingerprint key, toolchain and options), newest
+        first. ``NotFound`` when the id is neither, or the artifact has no table."""
+        try:
+            self.get_model(artifact_or_model_id)
+        except KilnError as exc:
+            if exc.code is not ErrorCode.NOT_FOUND:
+                raise
+        else:
+            response = self._call("GET", "/v1/tuning", params={"model_id": artifact_or_model_id})
+            return [TuningTable.model_validate(r["table"]) for r in response.json()]
+        response = self._call("GET", f"/v1/artifacts/{artifact_or_model_id}/tuning")
+        return [TuningTable.model_validate(response.json())]
 
     # plugins
     def push_plugin(self, archive: Path) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from rich.table import Table
 
 from kiln.client import KilnClient
 from schemas import CompileJob, JobStatus
+from schemas.tuning import CandidateOutcome, TuningTable
 
 
 def progress_wait(
@@ -59,3 +60,34 @@ def print_artifact(client: KilnClient, job: CompileJob, *, console: Console, err
     for row in rows:
         table.add_row(*row)
     console.print(table)
+
+
+def _figure(value: float | None, digits: str = ".3f") -> str:
+    return "-" if value is None else format(value, digits)
+
+
+def tuning_table(tuning: TuningTable) -> Table:
+    """Every candidate the tuner built, verified and measured; the winner marked ★."""
+    reused = " (reused an earlier record's winner)" if tuning.reused else ""
+    table = Table(title=f"tuning for {tuning.fingerprint_key} · {tuning.toolchain}{reused}",
+                  caption=f"inputs {tuning.inputs} · {tuning.elapsed_s:.1f} s of a "
+                          f"{tuning.budget_s:.0f} s budget · {tuning.rounds} interleaved rounds"
+                          f" · winner: {tuning.winner or 'none'}")
+    for column in ("candidate", "backend", "precision", "verification"):
+        table.add_column(column)
+    for column in ("p50 ms", "p90 ms", "build s"):
+        table.add_column(column, justify="right")
+    table.add_column("outcome")
+    for c in tuning.candidates:
+        if c.accuracy is not None:
+            figure = f"{c.accuracy_metric or 'accuracy'} {c.accuracy:.4g}"
+        elif c.max_abs_error is not None:
+            figure = f"max abs {c.max_abs_error:.3g}"
+        else:
+            figure = "-"
+        won = c.outcome is CandidateOutcome.WON or c.name == tuning.winner
+        outcome = c.outcome.value + (f": {c.reason}" if c.reason else "")
+        table.add_row(("★ " if won else "  ") + c.name, c.backend, c.precision, figure,
+                      _figure(c.p50_ms), _figure(c.p90_ms), _figure(c.build_s, ".2f"), outcome,
+                      style="bold green" if won else None)
+    return table

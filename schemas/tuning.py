@@ -9,6 +9,7 @@ reuses the winner; a new chip variant (a new key) or a new toolchain tunes again
 
 from __future__ import annotations
 
+from datetime import datetime
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -73,3 +74,19 @@ class TuningTable(BaseModel):
             if candidate.name == name:
                 return candidate
         raise KeyError(f"no candidate {name!r}; candidates: {[c.name for c in self.candidates]}")
+
+
+class TuningRecordInfo(BaseModel):
+    """A tuning record as the API reports it: the table kept for one cache key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: str
+    options_digest: str
+    fingerprint_key: str
+    toolchain: str
+    winner: str | None
+    #: The winning candidate's backend settings (empty when none won).
+    winner_config: dict[str, object] = Field(default_factory=dict)
+    table: TuningTable
+    created_at: datetime

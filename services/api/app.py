@@ -23,6 +23,7 @@ from services.api.routers import (
     jobs,
     models,
     plugins,
+    tuning,
     workers,
 )
 from services.api.sweeper import JobSweeper
@@ -69,7 +70,7 @@ def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = T
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_upload_bytes)
     for module in (health, models, datasets, jobs, artifacts, workers, deployments, agents,
-                   fleet, plugins):
+                   fleet, plugins, tuning):
         app.include_router(module.router)
     logger.info("API ready: store %s, database %s", settings.store_uri, engine.url.drivername)
     return app

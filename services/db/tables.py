@@ -226,3 +226,24 @@ class DatasetRow(Base):
     #: ``[TensorSpec.model_dump(mode="json"), ...]``: name, dtype, shape (first axis: samples).
     tensors: Mapped[list[dict[str, Any]]] = mapped_column(sa.JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class TuningRecordRow(Base):
+    """The tuner's candidate table for one cache key (model, options digest, fingerprint key,
+    toolchain): exactly what invalidates it, so a new chip variant or toolchain tunes again."""
+
+    __tablename__ = "tuning_records"
+
+    model_id: Mapped[str] = mapped_column(
+        sa.String(SHA256_LEN), sa.ForeignKey("models.id"), primary_key=True
+    )
+    options_digest: Mapped[str] = mapped_column(sa.String(SHA256_LEN), primary_key=True)
+    fingerprint_key: Mapped[str] = mapped_column(sa.String(FINGERPRINT_KEY_LEN), primary_key=True)
+    toolchain: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
+    #: The winning candidate's name; NULL when none passed.
+    winner: Mapped[str | None] = mapped_column(sa.String(200))
+    #: The winning candidate's backend settings (``CandidateResult.config``).
+    winner_config: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
+    #: ``TuningTable.model_dump(mode="json")``.
+    tuning_table: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

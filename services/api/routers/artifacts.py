@@ -7,6 +7,7 @@ from pydantic import BaseModel
 
 from schemas import ArtifactManifest, ArtifactSummary
 from schemas.errors import NotFound
+from schemas.tuning import TuningTable
 from services.api.deps import Limit, ReaderPrincipal, SessionDep, SettingsDep, StoreDep
 from services.api.transfers import DOWNLOAD_RESPONSES, blob_response
 from services.db import repo
@@ -48,6 +49,22 @@ def get_artifact(
             for b in manifest.blobs
         },
     )
+
+
+@router.get("/{artifact_id}/tuning", response_model=TuningTable)
+def get_tuning(artifact_id: str, session: SessionDep, _: ReaderPrincipal) -> TuningTable:
+    """The candidate table of the tuning that built this artifact: from its signed manifest,
+    else from the tuning record of its cache key."""
+    manifest = repo.get_manifest(session, artifact_id=artifact_id)
+    if manifest.tuning is not None:
+        return manifest.tuning
+    records = repo.list_tuning(session, artifact_id=artifact_id)
+    if not records:
+        raise NotFound(
+            f"artifact {artifact_id} has no tuning table: its manifest carries none and no "
+            f"tuning record exists for its cache key (built with tune: off, or before tuning "
+            f"was recorded)", artifact_id=artifact_id)
+    return records[0].table
 
 
 @router.get("/{artifact_id}/blobs/{blob}", responses=DOWNLOAD_RESPONSES)

@@ -7,8 +7,8 @@ same artifact published by a redelivered task) run in a SAVEPOINT and fall back 
 the row the other writer committed.
 
 One module per aggregate (``models``, ``datasets``, ``jobs``, ``artifacts``, ``workers``,
-``deployments``, ``agents``, ``plugins``); shared helpers live in ``_common``. Everything
-public is re-exported here, so callers write ``from services.db import repo`` and
+``deployments``, ``agents``, ``plugins``, ``tuning``); shared helpers live in ``_common``.
+Everything public is re-exported here, so callers write ``from services.db import repo`` and
 ``repo.get_model(...)``.
 """
 
@@ -72,6 +72,11 @@ from services.db.repo.plugins import (
     plugins_for_ops,
     record_plugin,
 )
+from services.db.repo.tuning import (
+    find_tuning,
+    list_tuning,
+    record_tuning,
+)
 from services.db.repo.workers import (
     DEFAULT_WORKER_HEARTBEAT_S,
     MISSED_BEATS,
@@ -101,6 +106,7 @@ __all__ = [
     "find_active_job",
     "find_artifact",
     "find_compatible_artifact",
+    "find_tuning",
     "get_agent",
     "get_artifact",
     "get_dataset",
@@ -121,6 +127,7 @@ __all__ = [
     "list_jobs",
     "list_models",
     "list_plugins",
+    "list_tuning",
     "list_workers",
     "live_worker_keys",
     "plugins_current",
@@ -128,6 +135,7 @@ __all__ = [
     "record_artifact",
     "record_dataset",
     "record_plugin",
+    "record_tuning",
     "register_agent",
     "release_waiting_jobs",
     "require_dataset",
