@@ -1,0 +1,479 @@
+"""Kiln's engine beside the engines a user would otherwise reach for, measured in one run.
+
+Per model, every engine runs in its own process (spawned; each loads its engine once), and the
+parent interleaves timing rounds across them — round ``r`` asks each process in turn for
+``--iters`` timed calls on the same feed, starting one engine later each round — so drift on
+the machine (other load, thermal state) hits every engine alike. Engines:
+
+- ``pytorch eager``: the transformers / torch module itself under ``torch.inference_mode``;
+- ``ort L0``..``ort L3``: a plain ``onnxruntime.InferenceSession`` on the exported model at
+  ``ORT_DISABLE_ALL`` / ``BASIC`` / ``EXTENDED`` / ``ALL``, fp32;
+- ``ort int8 dynamic``: ``quantize_dynamic`` by hand (its defaults);
+- ``ort int8 static QDQ``: ``quantize_static`` in QDQ format with per-channel weights,
+  calibrated on the samples by a ``CalibrationDataReader``;
+- ``kiln fp32`` / ``kiln auto``: ``compile_model`` with ``tune="auto"`` and that precision
+  policy, given the samples (the dataset the tuner verifies, gates and calibrates on), loaded
+  from its artifact directory with ``runtime_agent.executors.load_executor``.
+
+Every engine's accuracy is measured against fp32 onnxruntime with optimizations off (the
+reference Kiln verifies against) on the same samples: top-1 agreement for classifiers (64
+images for ResNet-50), mean cosine of the output for the encoder and the MLP. The samples are
+inputs generated to fit each graph (``compiler_worker.inputs``); the timed feed is the
+model's example input. Models are built with random weights (``kiln.architectures``) and
+exported by ``torch.onnx.export`` with its defaults; exports are cached under ``--cache``.
+Thread counts are each runtime's default unless ``--threads`` sets them for the peers (Kiln's
+engine uses the configuration its tuner chose).
+
+    .venv/bin/python bench/engines.py                     # all models, full size
+    .venv/bin/python bench/engines.py --quick             # small configs: a smoke run
+    .venv/bin/python bench/engines.py --models resnet50-b1,bert-base --rounds 10 --iters 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import logging
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("bench.engines")
+
+ORT_LEVELS = {0: "ORT_DISABLE_ALL", 1: "ORT_ENABLE_BASIC", 2: "ORT_ENABLE_EXTENDED",
+              3: "ORT_ENABLE_ALL"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmarked model configuration."""
+
+    architecture: str
+    batch: int = 1
+    seq: int = 128
+    #: Feeds for accuracy, calibration and Kiln's samples dataset.
+    samples: int = 16
+
+
+CASES = {
+    "resnet50-b1": Case("resnet50", batch=1, samples=64),
+    "resnet50-b8": Case("resnet50", batch=8, samples=8),  # 8 feeds of 8: 64 images
+    "bert-base": Case("bert_base", batch=1, seq=128, samples=16),
+    "mlp": Case("mlp", batch=1, samples=16),
+}
+
+
+@dataclass
+class Engine:
+    """One row: what to load in a worker process, and what was measured."""
+
+    name: str
+    group: str  # "fp32 peer", "int8 peer" or "kiln"
+    spec: dict[str, Any] | None
+    precision: str = "fp32"
+    #: Seconds spent preparing it (quantizing by hand, Kiln's build), if any.
+    prepare_s: float | None = None
+    note: str = ""
+    times: list[float] = field(default_factory=list)
+    accuracy: str = "—"
+    threads: str = "default"
+    error: str = ""
+
+
+# --------------------------------------------------------------------------- worker process
+
+def _load(spec: dict[str, Any]) -> tuple[Any, str]:
+    """(callable feed -> first output as numpy, thread description) for an engine spec."""
+    kind = spec["kind"]
+    threads = spec.get("threads")
+    if kind == "torch":
+        import torch
+
+        from kiln.architectures import build
+
+        if threads:
+            torch.set_num_threads(threads)
+        kwargs = {"size": spec["size"], "batch": spec["batch"], "seed": spec["seed"]}
+        if "seq" in spec:
+            kwargs["seq"] = spec["seq"]
+        architecture = build(spec["architecture"], **kwargs)
+        module = architecture.module
+
+        def run(feed: dict[str, np.ndarray]) -> np.ndarray:
+            with torch.inference_mode():
+                return module(*architecture.torch_inputs(feed)).numpy()
+
+        return run, f"torch {torch.get_num_threads()}"
+    if kind == "ort":
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel,
+                                                   ORT_LEVELS[spec["level"]])
+        options.log_severity_level = 3
+        if threads:
+            options.intra_op_num_threads = threads
+        session = ort.InferenceSession(spec["path"], options, providers=["CPUExecutionProvider"])
+        first = session.get_outputs()[0].name
+
+        def run(feed: dict[str, np.ndarray]) -> np.ndarray:
+            return session.run([first], feed)[0]
+
+        return run, f"intra-op {threads}" if threads else "ort default"
+    if kind == "kiln":
+        from runtime_agent.executors import load_executor
+        from schemas.manifest import ArtifactManifest
+
+        directory = Path(spec["artifact_dir"])
+        manifest = ArtifactManifest.model_validate_json(
+            (directory / "manifest.json").read_text())
+        executor = load_executor(directory, manifest)
+        first = manifest.outputs[0].name
+        config = manifest.runtime_config
+        described = f"intra-op {config['intra_op_num_threads']}" \
+            if config.get("intra_op_num_threads") else "ort default"
+
+        def run(feed: dict[str, np.ndarray]) -> np.ndarray:
+            return np.asarray(executor.run(feed)[first])
+
+        return run, described
+    raise ValueError(f"unknown engine kind {kind!r}")
+
+
+def _worker(conn: Any, spec: dict[str, Any]) -> None:
+    """Load one engine, then answer the parent's commands until told to stop."""
+    try:
+        run, threads = _load(spec)
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
+        return
+    conn.send(("ready", threads))
+    feed: dict[str, np.ndarray] = {}
+    while True:
+        command, *args = conn.recv()
+        try:
+            if command == "feed":
+                feed = args[0]
+                run(feed)  # warm up: first-call allocations, lazy initialization
+                conn.send(("ok", None))
+            elif command == "outputs":
+                conn.send(("ok", [run(f) for f in args[0]]))
+            elif command == "time":
+                samples = []
+                for _ in range(args[0]):
+                    started = time.perf_counter()
+                    run(feed)
+                    samples.append(time.perf_counter() - started)
+                conn.send(("ok", samples))
+            elif command == "stop":
+                conn.send(("ok", None))
+                return
+        except BaseException as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+class Worker:
+    """The parent's handle on one engine process."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_worker, args=(child, spec), daemon=True)
+        self.process.start()
+        child.close()
+        status, value = self.conn.recv()
+        if status != "ready":
+            self.close()
+            raise RuntimeError(value)
+        self.threads = value
+
+    def ask(self, *command: Any) -> Any:
+        self.conn.send(command)
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(("stop",))
+                self.conn.recv()
+            except (OSError, EOFError):
+                pass
+            self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+# --------------------------------------------------------------------------- preparation
+
+def _samples(model_path: Path, count: int, seed: int) -> tuple[list[dict[str, np.ndarray]], str]:
+    """``count`` feeds generated to fit the graph, and the rule applied, in words."""
+    import onnx
+
+    from compiler_worker.inputs import describe_generation, input_ranges
+    from compiler_worker.modelio import signature
+    from runtime_agent.samples import sample_inputs
+
+    graph = onnx.load(str(model_path), load_external_data=False)
+    specs, _ = signature(graph)
+    ranges = input_ranges(graph)
+    feeds = [sample_inputs(specs, seed=seed + i, ranges=ranges) for i in range(count)]
+    rules = describe_generation(graph, specs)
+    return feeds, "; ".join(f"{name}: {rule}" for name, rule in rules.items())
+
+
+def _dataset(feeds: list[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], str]:
+    """The feeds as a Kiln dataset (``[samples, *input shape]`` per input) and its id."""
+    arrays = {name: np.stack([feed[name] for feed in feeds]) for name in feeds[0]}
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return arrays, hashlib.sha256(buffer.getvalue()).hexdigest()
+
+
+def _quantize(model_path: Path, out_dir: Path, feeds: list[dict[str, np.ndarray]]
+              ) -> list[Engine]:
+    """The two int8 models a user makes by hand with onnxruntime.quantization."""
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.pending = iter(feeds)
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self.pending, None)
+
+        def rewind(self) -> None:
+            self.pending = iter(feeds)
+
+    engines = []
+    jobs = [
+        ("ort int8 dynamic", "int8-dynamic", "quantize_dynamic (defaults: QInt8 weights)",
+         lambda out: quantize_dynamic(str(model_path), str(out))),
+        ("ort int8 static QDQ", "int8-static-qdq",
+         f"quantize_static QDQ, per-channel, QInt8, calibrated on {len(feeds)} samples",
+         lambda out: quantize_static(str(model_path), str(out), Reader(),
+                                     quant_format=QuantFormat.QDQ, per_channel=True,
+                                     activation_type=QuantType.QInt8,
+                                     weight_type=QuantType.QInt8)),
+    ]
+    for name, precision, note, quantize in jobs:
+        out = out_dir / f"{precision}.onnx"
+        started = time.perf_counter()
+        try:
+            quantize(out)
+        except Exception as exc:  # onnxruntime.quantization raises untyped errors
+            engines.append(Engine(name, "int8 peer", None, precision, note=note,
+                                  error=f"quantization failed: {type(exc).__name__}: {exc}"))
+            continue
+        engines.append(Engine(name, "int8 peer", {"kind": "ort", "path": str(out), "level": 3},
+                              precision, time.perf_counter() - started, note))
+    return engines
+
+
+def _kiln(blob: Path, precision: str, workdir: Path, samples: dict[str, np.ndarray],
+          dataset_id: str) -> Engine:
+    """Kiln's engine for ``precision``: tuned, verified and gated on the samples."""
+    name = f"kiln {precision}"
+    try:
+        from compiler_worker.pipeline import compile_model, write_artifact_dir
+        from runtime_agent.fingerprint import detect_fingerprint
+        from schemas.options import CompileOptions
+
+        options = CompileOptions(tune="auto", precision=precision, samples=dataset_id)
+        started = time.perf_counter()
+        result = compile_model(blob.read_bytes(), options, fingerprint=detect_fingerprint(),
+                               workdir=workdir / "work", samples=samples)
+        build_s = time.perf_counter() - started
+        artifact = write_artifact_dir(result, workdir / "artifact")
+    except Exception as exc:  # the tuner is new: a failure is reported, never fatal
+        logger.warning("kiln %s build failed: %s", precision, exc)
+        return Engine(name, "kiln", None, "n/a", error=f"{type(exc).__name__}: {exc}")
+    manifest = result.manifest
+    table = manifest.tuning
+    note = f"policy {precision}"
+    if table is not None:
+        winner = table.candidate(table.winner) if table.winner else None
+        passed = sum(c.outcome in ("won", "slower") for c in table.candidates)
+        note = (f"policy {precision}: won {table.winner} of {len(table.candidates)} candidates "
+                f"({passed} passed), tuning {table.elapsed_s:.1f} s over {table.rounds} rounds")
+        if winner is not None and winner.accuracy is not None:
+            note += f"; gate {winner.accuracy_metric} {winner.accuracy:.4f}"
+    return Engine(name, "kiln", {"kind": "kiln", "artifact_dir": str(artifact)},
+                  manifest.precision, build_s, note)
+
+
+# --------------------------------------------------------------------------- measurement
+
+def _accuracy(kind: str, outputs: list[np.ndarray], reference: list[np.ndarray]) -> str:
+    if kind == "logits":
+        got = np.concatenate([o.reshape(-1, o.shape[-1]) for o in outputs]).argmax(-1)
+        ref = np.concatenate([r.reshape(-1, r.shape[-1]) for r in reference]).argmax(-1)
+        return f"top-1 {np.mean(got == ref) * 100:.1f}% of {ref.size}"
+    cosines = []
+    for o, r in zip(outputs, reference, strict=True):
+        o, r = o.astype(np.float64).ravel(), r.astype(np.float64).ravel()
+        cosines.append(float(o @ r / (np.linalg.norm(o) * np.linalg.norm(r) + 1e-30)))
+    return f"cos {np.mean(cosines):.5f} (min {min(cosines):.5f})"
+
+
+def run_case(label: str, case: Case, args: argparse.Namespace, work: Path) -> None:
+    from artifact_store.model_archive import pack_model_files
+    from kiln.architectures import exported
+
+    size = "small" if args.quick else "full"
+    samples_count = min(case.samples, 8) if args.quick else case.samples
+    model = exported(case.architecture, args.cache, size=size, batch=case.batch, seq=case.seq)
+    architecture = model.architecture
+    feeds, rule = _samples(model.path, samples_count, seed=1)
+    arrays, dataset_id = _dataset(feeds)
+    case_dir = work / label
+    case_dir.mkdir(parents=True)
+    blob = case_dir / "model.blob"
+    pack_model_files(model.path, {p.name: p for p in model.files() if p != model.path}, blob)
+
+    torch_spec: dict[str, Any] = {"kind": "torch", "architecture": case.architecture,
+                                  "size": size, "batch": case.batch, "seed": 0,
+                                  "threads": args.threads}
+    if case.architecture in ("bert_base", "distilbert", "gpt2"):
+        torch_spec["seq"] = case.seq
+    engines = [Engine("pytorch eager", "fp32 peer", torch_spec)]
+    engines += [Engine(f"ort L{level}", "fp32 peer", {"kind": "ort", "path": str(model.path),
+                                                      "level": level, "threads": args.threads},
+                       note=ORT_LEVELS[level]) for level in ORT_LEVELS]
+    print(f"[{label}] quantizing by hand ...", file=sys.stderr)
+    int8 = _quantize(model.path, case_dir, feeds)
+    for engine in int8:
+        if engine.spec is not None:
+            engine.spec["threads"] = args.threads
+    engines += int8
+    for precision in ("fp32", "auto"):
+        print(f"[{label}] kiln build, precision {precision} ...", file=sys.stderr)
+        engines.append(_kiln(blob, precision, case_dir / f"kiln-{precision}", arrays,
+                             dataset_id))
+
+    workers: dict[str, Worker] = {}
+    try:
+        for engine in engines:
+            if engine.spec is None:
+                continue
+            try:
+                workers[engine.name] = Worker(engine.spec)
+                engine.threads = workers[engine.name].threads
+                workers[engine.name].ask("feed", architecture.inputs)
+            except RuntimeError as exc:
+                engine.error = str(exc).splitlines()[0]
+                workers.pop(engine.name, None)
+        live = [e for e in engines if e.name in workers]
+        print(f"[{label}] accuracy on {len(feeds)} samples ...", file=sys.stderr)
+        reference = workers["ort L0"].ask("outputs", feeds)
+        for engine in live:
+            outputs = workers[engine.name].ask("outputs", feeds)
+            engine.accuracy = _accuracy(architecture.output, outputs, reference)
+        for r in range(args.rounds):
+            print(f"[{label}] round {r + 1}/{args.rounds}", file=sys.stderr)
+            for i in range(len(live)):
+                engine = live[(i + r) % len(live)]
+                engine.times += workers[engine.name].ask("time", args.iters)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    _print_case(label, case, model.exporter, size, rule, engines)
+
+
+def _print_case(label: str, case: Case, exporter: str, size: str, rule: str,
+                engines: list[Engine]) -> None:
+    def best(group: str) -> float | None:
+        medians = [statistics.median(e.times) for e in engines if e.group == group and e.times]
+        return min(medians) if medians else None
+
+    best_fp32, best_int8 = best("fp32 peer"), best("int8 peer")
+    shape = f"batch {case.batch}" + (f", seq {case.seq}" if case.architecture != "mlp"
+                                     and "resnet" not in case.architecture else "")
+    print(f"\n### {label}: {case.architecture} ({size}, {shape}; exporter: {exporter})\n")
+    print(f"Samples: {rule}\n")
+    print("| engine | precision | latency ms, median [min–max] | speed-up vs best fp32 peer "
+          "| speed-up vs best int8 peer | accuracy vs fp32 (ORT L0) | prepare s | threads "
+          "| notes |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for e in engines:
+        if not e.times:
+            print(f"| {e.name} | {e.precision} | n/a | n/a | n/a | n/a | "
+                  f"{_num(e.prepare_s)} | — | {e.error or e.note} |")
+            continue
+        median = statistics.median(e.times)
+        latency = f"{median * 1e3:.3f} [{min(e.times) * 1e3:.3f}–{max(e.times) * 1e3:.3f}]"
+        print(f"| {e.name} | {e.precision} | {latency} | {_speedup(best_fp32, median)} | "
+              f"{_speedup(best_int8, median)} | {e.accuracy} | {_num(e.prepare_s)} | {e.threads} | "
+              f"{e.note} |")
+    sys.stdout.flush()
+
+
+def _speedup(best: float | None, median: float) -> str:
+    """How many times faster than ``best`` (below 1: slower)."""
+    return f"{best / median:.2f}×" if best else "—"
+
+
+def _num(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(CASES),
+                        help=f"comma-separated, from {', '.join(CASES)}")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (10)")
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per round (20)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small configs, 2 rounds of 5: a smoke run, not a measurement")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads for the peers (default: each runtime's own)")
+    parser.add_argument("--cache", type=Path, default=Path(".kiln") / "bench-models",
+                        help="where exported models are cached")
+    args = parser.parse_args()
+    args.rounds = args.rounds or (2 if args.quick else 10)
+    args.iters = args.iters or (5 if args.quick else 20)
+    labels = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in labels if m not in CASES]
+    if unknown:
+        parser.error(f"unknown models {unknown}; available: {', '.join(CASES)}")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    import onnxruntime
+    import torch
+    import transformers
+
+    print("## Engines: Kiln beside the peers, same run, interleaved rounds\n")
+    from runtime_agent.fingerprint import detect_fingerprint
+
+    cpu = detect_fingerprint().cpu
+    print(f"{cpu.model or platform.machine()}, {os.cpu_count()} logical CPUs; "
+          f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, "
+          f"transformers {transformers.__version__}; {args.rounds} rounds × {args.iters} "
+          f"calls per engine{' (--quick: small configs)' if args.quick else ''}")
+    print(f"\n`{' '.join(['bench/engines.py', *sys.argv[1:]])}`")
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-engines-") as tmp:
+        for label in labels:
+            run_case(label, CASES[label], args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
