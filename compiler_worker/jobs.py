@@ -112,7 +112,7 @@ class JobRunner:
                 reuse = repo.find_tuning(
                     session, model_id=model_id, options_digest=options.digest(),
                     fingerprint_key=plan.fingerprint_key, toolchain=plan.toolchain,
-                ) if hasattr(repo, "find_tuning") else None
+                )
             samples = self._dataset(options.samples)
             calibration = self._dataset(options.calibration)
             result = compile_model(
@@ -128,7 +128,7 @@ class JobRunner:
 
         with session_scope(self.sessions) as session:
             artifact, created = repo.record_artifact(session, model_id=model_id, manifest=manifest)
-            if manifest.tuning is not None and hasattr(repo, "record_tuning"):
+            if manifest.tuning is not None:
                 repo.record_tuning(
                     session, model_id=model_id, options_digest=options.digest(),
                     fingerprint_key=plan.fingerprint_key, toolchain=plan.toolchain,

@@ -383,10 +383,11 @@ def _compile(
 
     stages.enter(JobStage.LOADING)
     model_sha256 = sha256_hex(model_bytes)
+    # Options no backend here accepts are refused before any work.
+    backend = plan.backend if plan is not None else backends.backend_for(fingerprint, options)
     # A model archive (the .onnx and its external data) is unpacked, confined, into workdir.
     submitted = load_model(materialize_model(model_bytes, _fresh_dir(workdir / "model")))
     model_ops = custom_ops(submitted)
-    backend = plan.backend if plan is not None else backends.backend_for(fingerprint, options)
     used = _prepare_plugins(
         model_ops, plugins, backend,
         {o.domain: o.version for o in submitted.opset_import}, workdir)

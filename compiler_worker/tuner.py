@@ -204,13 +204,20 @@ def _fail(trials: list[Trial], options: CompileOptions, table: TuningTable) -> K
     if failed_verification and not failed_accuracy:
         best = min(failed_verification, key=lambda t: t.result.max_abs_error or np.inf)
         assert best.verification is not None
+        per_output = ", ".join(
+            f"{name}: max abs {s['max_abs_error']:.3g}, max rel {s['max_rel_error']:.3g}, "
+            f"{int(s['mismatched'])}/{int(s['elements'])} elements out of tolerance"
+            + "".join(f", {flag}" for flag in ("shape_mismatch", "missing") if flag in s)
+            + (f", {int(s['nonfinite_mismatched'])} NaN/inf mismatches"
+               if s["nonfinite_mismatched"] else "")
+            for name, s in best.verification.per_output.items())
         return VerificationFailed(
             f"no candidate engine matches the reference ({best.verification.reference}) within "
             f"|engine - reference| <= atol + rtol*|reference| (atol="
             f"{options.tolerance.atol:g}, rtol={options.tolerance.rtol:g}) over "
             f"{best.verification.samples} sample(s); the closest, {best.result.name}, has max "
             f"abs error {best.verification.max_abs_error:.3g}, max rel error "
-            f"{best.verification.max_rel_error:.3g}. Candidates: {listing}",
+            f"{best.verification.max_rel_error:.3g} ({per_output}). Candidates: {listing}",
             **best.verification.model_dump(mode="json"), **details)
     if failed_accuracy:
         gate = options.accuracy

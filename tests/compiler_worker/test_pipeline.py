@@ -190,7 +190,7 @@ def test_bad_models_fail_with_typed_errors(data: bytes, error: type, tmp_path: P
 def test_fp16_on_cpu_is_refused_before_any_work(tmp_path: Path,
                                                 fingerprint: HardwareFingerprint) -> None:
     stages: list[JobStage] = []
-    with pytest.raises(BackendUnavailable, match="fp32 engines only"):
+    with pytest.raises(BackendUnavailable, match="builds no fp16 engines"):
         compile_model(mlp().SerializeToString(), fast_options(precision=Precision.FP16),
                       fingerprint=fingerprint, workdir=tmp_path,
                       on_stage=lambda s, p: stages.append(s))
@@ -255,5 +255,5 @@ def test_random_inputs_match_the_signature(tmp_path: Path,
     result = compile_model(small_cnn().SerializeToString(), fast_options(),
                            fingerprint=fingerprint, workdir=tmp_path)
     feed = random_inputs(result.manifest.inputs, result.manifest.options, seed=3)
-    executor = load_executor(tmp_path / "artifact", result.manifest)
+    executor = load_executor(result.blob_paths["engine"].parent, result.manifest)
     assert executor.run(feed)["probs"].shape == (1, 10)

@@ -66,7 +66,7 @@ def test_fingerprint_older_variant_declares_one_level_down(tmp_path: Path) -> No
     result = wide.invoke(app, ["fingerprint", "--fingerprint-file", str(declared),
                                "--older-variant"])
     assert result.exit_code == 0, result.output
-    variant = HardwareFingerprint.model_validate_json(result.output)
+    variant = HardwareFingerprint.model_validate_json(result.stdout)  # keys go to stderr
     assert isa_class(variant.cpu) == "x86-64-v3" and variant.source == "declared"
 
     baseline = tmp_path / "baseline.json"

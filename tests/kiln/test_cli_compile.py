@@ -43,12 +43,16 @@ def test_compile_refuses_what_the_cpu_backend_cannot_build(tmp_path: Path):
 def test_fingerprint_prints_json_and_honours_a_declaration(tmp_path: Path):
     detected = runner.invoke(app, ["fingerprint"])
     assert detected.exit_code == 0
-    fp = HardwareFingerprint.model_validate_json(detected.output)
+    fp = HardwareFingerprint.model_validate_json(detected.stdout)
     assert fp.cpu.arch and fp.runtimes.get("onnxruntime")
+    # each installed backend's keys, for `kiln artifacts --fingerprint KEY`, on stderr
+    from runtime_agent.executors import node_fingerprint_keys
+
+    assert node_fingerprint_keys(fp)["onnxruntime"] in detected.stderr.replace("\n", "")
     declared = tmp_path / "fp.json"
     declared.write_text(json.dumps({"cpu": {"model": "Simulated CPU"}}))
     result = runner.invoke(app, ["fingerprint", "--fingerprint-file", str(declared)])
-    fp = HardwareFingerprint.model_validate_json(result.output)
+    fp = HardwareFingerprint.model_validate_json(result.stdout)
     assert fp.cpu.model == "Simulated CPU" and fp.source == "declared"
 
 

@@ -127,9 +127,9 @@ def test_tiers_exact_fallback_then_exact_for_a_new_chip_variant(api, settings):
     # Its own engine waits for v3 hardware; a portable engine is built on the v4 worker.
     assert jobs[v3]["status"] == "waiting_for_hardware" and jobs[v3]["id"] == first["job_id"]
     assert jobs[KEY_V4]["status"] == "queued"
-    assert jobs[KEY_V4]["options"]["optimization_level"] == 2
+    assert jobs[KEY_V4]["options"]["portability"] == "portable"
 
-    portable_options = CompileOptions(optimization_level=2)
+    portable_options = CompileOptions(portability="portable")
     with session_scope(factory) as session:
         fallback, _ = repo.record_artifact(session, model_id=model_id, manifest=manifest(
             model_id, options=portable_options, fingerprint_key=KEY_V4,
