@@ -9,8 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas._canonical import canonical_json
 from schemas.fingerprint import HardwareFingerprint
 from schemas.options import CompileOptions
-from schemas.tuning import TuningTable
 from schemas.plugins import PluginRef
+from schemas.tuning import TuningTable
 
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 
