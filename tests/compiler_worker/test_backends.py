@@ -147,7 +147,7 @@ def test_onnxruntime_candidates_follow_options(fingerprint: HardwareFingerprint)
     assert {c.precision for c in fp32} == {"fp32"}
     auto = ORT.candidates(fingerprint, CompileOptions(precision="auto"))
     assert {"int8-dynamic", "int8-static-qdq"} <= {c.precision for c in auto}
-    assert [c for c in auto if c.precision == "int8-static-qdq"][0].needs_calibration
+    assert next(c for c in auto if c.precision == "int8-static-qdq").needs_calibration
     pinned = ORT.candidates(fingerprint, CompileOptions(optimization_level=1, precision="int8"))
     assert {c.config["optimization_level"] for c in pinned} == {1}
     assert {c.precision for c in pinned} == {"int8-dynamic", "int8-static-qdq"}
