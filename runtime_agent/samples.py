@@ -140,7 +140,7 @@ def sample_inputs(
         shape = sample_shape(spec, shapes.get(spec.name))
         dtype = numpy_dtype(spec.dtype)
         if dtype.kind == "b":
-            feed[spec.name] = rng.random(shape) < 0.5
+            feed[spec.name] = np.asarray(rng.random(shape) < 0.5)  # a 0-d array, not np.bool_
         elif dtype.kind in "iu":
             bounds = ranges.get(spec.name)
             low, high = (bounds.low, bounds.high) if bounds else (0, INT_HIGH)
