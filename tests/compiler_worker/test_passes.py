@@ -152,3 +152,38 @@ def test_unknown_disabled_pass_lists_the_passes() -> None:
 def test_pass_names_must_be_unique() -> None:
     with pytest.raises(ValueError, match="unique"):
         PassPipeline([CheckModel(), CheckModel()])
+
+
+def test_upgrade_keeps_opset6_prelu_slopes_per_channel() -> None:
+    import numpy as np
+    from onnx.reference import ReferenceEvaluator
+
+    model = _pytorch_converted("test_PReLU_2d_multiparam")
+    upgrade = UpgradeOpset()
+    upgraded = upgrade.run(model)
+    assert upgrade.detail is not None and "PRelu slopes" in upgrade.detail
+    data = Path(onnx.__file__).parent / "backend" / "test" / "data" / "pytorch-converted" \
+        / "test_PReLU_2d_multiparam" / "test_data_set_0"
+    x = numpy_helper.to_array(onnx.load_tensor(str(data / "input_0.pb")))
+    expected = numpy_helper.to_array(onnx.load_tensor(str(data / "output_0.pb")))
+    feed = {upgraded.graph.input[0].name: x}
+    got = onnxruntime.InferenceSession(upgraded.SerializeToString(),
+                                       providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ReferenceEvaluator(upgraded).run(None, feed)[0], expected,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_check_tolerates_errors_inside_onnx_function_bodies_only() -> None:
+    # MeanVarianceNormalization-13's own function body fails strict inference (ONNX's defect).
+    node = helper.make_node("MeanVarianceNormalization", ["x"], ["y"])
+    graph = helper.make_graph(
+        [node], "mvn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3, 3, 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 3, 3, 1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    check = CheckModel()
+    assert check.run(model) is model
+    assert check.detail == "ONNX function-body inference error ignored"
+    # Errors of ordinary nodes are still rejected (ill-typed Add: not a function body).
+    with pytest.raises(ModelCheckFailed):
+        CheckModel().run(ill_typed_model())

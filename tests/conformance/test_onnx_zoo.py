@@ -1,0 +1,42 @@
+"""Conformance: every model of ONNX's own backend test data that onnxruntime runs compiles
+with Kiln, and the engine reproduces the shipped outputs (see ``zoo.py`` for the cases and
+the rules; ``bench/conformance.py`` prints the full table)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from runtime_agent.fingerprint import detect_fingerprint
+from tests.conformance import zoo
+
+pytestmark = pytest.mark.conformance
+
+SUITES = {
+    "light": zoo.light_cases,
+    "pytorch-converted": lambda: zoo.directory_cases("pytorch-converted"),
+    "pytorch-operator": lambda: zoo.directory_cases("pytorch-operator"),
+    "node": zoo.node_cases,
+}
+#: At least this many models per suite must pass (a guard against a suite silently emptying).
+MIN_PASSED = {"light": 9, "pytorch-converted": 82, "pytorch-operator": 35, "node": 130}
+
+
+@pytest.mark.parametrize("suite", list(SUITES))
+def test_onnx_zoo(suite: str, tmp_path: Path) -> None:
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(3)
+    fingerprint = detect_fingerprint()
+    outcomes = [zoo.run_case(case, fingerprint, tmp_path) for case in SUITES[suite]()]
+    counts = Counter(o.status for o in outcomes)
+    lines = [f"{suite}: {len(outcomes)} models, " + ", ".join(
+        f"{counts[s]} {s}" for s in ("passed", "failed", "skipped", "unsupported"))]
+    lines += [f"  {o.status:11} {o.case}: {o.reason}" for o in outcomes
+              if o.status != "passed"]
+    print("\n".join(lines))
+    failed = [f"{o.case}: {o.reason}" for o in outcomes if o.status == "failed"]
+    assert not failed, "\n".join(failed)
+    assert counts["passed"] >= MIN_PASSED[suite], lines[0]
