@@ -40,7 +40,7 @@ def main() -> int:
 
     from runtime_agent.fingerprint import detect_fingerprint
 
-    onnxruntime.set_default_logger_severity(3)
+    onnxruntime.set_default_logger_severity(4)
     suites = args.suite or ["light", "pytorch-converted", "pytorch-operator", "node"]
     cases = []
     for suite in suites:
