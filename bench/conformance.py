@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import tempfile
 import time
@@ -88,7 +89,7 @@ def main() -> int:
         if outcome.status != "passed" or args.show_passed:
             reasons.add_row(outcome.case, outcome.status, outcome.reason)
     console.print(reasons)
-    grouped = Counter(o.reason.split(" (")[0] for o in outcomes
+    grouped = Counter(re.sub(r"'[^']*'", "'…'", o.reason.split(" (")[0]) for o in outcomes
                       if o.status in ("skipped", "unsupported"))
     skipped = Table(title="Skipped and unsupported, by reason")
     skipped.add_column("reason")

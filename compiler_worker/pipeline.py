@@ -347,7 +347,8 @@ def dataset_feeds(arrays: Mapping[str, np.ndarray], specs: Sequence[TensorSpec],
     if len(set(counts.values())) != 1 or not min(counts.values()):
         raise InvalidOptions(f"every array of the {what} dataset must hold the same number (>0) "
                              f"of samples on its first axis; it holds {counts}")
-    feeds = [{spec.name: np.array(arrays[spec.name][i], order="C") for spec in specs}
+    feeds = [{spec.name: np.array(arrays[spec.name][i], dtype=arrays[spec.name].dtype,
+                                  order="C") for spec in specs}
              for i in range(min(limit, counts[names[0]]))]
     for spec in specs:
         sample = feeds[0][spec.name]
