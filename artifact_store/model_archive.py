@@ -108,7 +108,7 @@ def _write(model_bytes: bytes, files: Mapping[str, tuple[int, Opener]], dest: Pa
             with opener() as source:
                 try:
                     tar.addfile(_info(name, size), source)
-                except OSError as exc:  # the source ended before its declared size
+                except (OSError, tarfile.TarError) as exc:  # it ended before its size
                     raise InvalidModel(f"data file {name!r} is shorter than its "
                                        f"{size} declared bytes") from exc
     return model, MODEL_ARCHIVE_MEDIA_TYPE
