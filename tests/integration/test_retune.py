@@ -17,6 +17,7 @@ from kiln.examples import mlp
 from runtime_agent.executors import node_fingerprint_keys
 from runtime_agent.fingerprint import detect_fingerprint, older_variant
 from schemas import JobStatus
+from schemas.options import CompileOptions
 from tests.integration.agents import AgentProcess, outputs, reference
 from tests.integration.test_agent import kiln_cli
 
@@ -43,7 +44,9 @@ def test_new_chip_variant_gets_fallback_then_its_own_engine(stack, tmp_path):
 
     model = mlp(seed=3).SerializeToString()
     model_id = client.upload_model(model).id
-    client.deploy("svc", model_id, selector={})  # level 3: hardware-specific engines
+    # Level 3 pinned: hardware-specific engines, so the variant needs a fallback first (left to
+    # the tuner, a portable level may win here and the variant is served 'compatible' at once).
+    client.deploy("svc", model_id, selector={}, options=CompileOptions(optimization_level=3))
     old = AgentProcess(stack, "node-here", "zone=a", tmp_path).start()
     new = AgentProcess(stack, "node-variant", "zone=b", tmp_path)
     agents = [old, new]
