@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
@@ -165,3 +166,27 @@ def test_bf16_is_skipped_without_the_instructions(fingerprint: HardwareFingerpri
         update={"arch": "aarch64", "features": ["neon", "bf16"]})})
     [bf16] = [c for c in ORT.candidates(arm, CompileOptions(precision="bf16"))]
     assert not bf16.skip and bf16.config["bf16_fastmath"]
+
+
+def test_large_engines_keep_their_initializers_in_a_second_blob(
+        tmp_path: Path, fingerprint: HardwareFingerprint, monkeypatch) -> None:
+    """Engines past protobuf's 2 GB limit are saved with external data; the threshold is
+    lowered here so a small model takes the same path."""
+    from compiler_worker.backends import onnxruntime as ort_backend
+    from compiler_worker.pipeline import compile_model, write_artifact_dir
+    from runtime_agent.executors import load_executor
+
+    monkeypatch.setattr(ort_backend, "EXTERNAL_DATA_THRESHOLD", 0)
+    result = compile_model(mlp().SerializeToString(), CompileOptions(tune="off"),
+                           fingerprint=fingerprint, workdir=tmp_path / "work")
+    names = [blob.name for blob in result.manifest.blobs]
+    assert names == ["engine", ort_backend.ENGINE_DATA_BLOB]
+    engine = onnx.load(str(result.blob_paths["engine"]), load_external_data=False)
+    assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in engine.graph.initializer)
+    out = write_artifact_dir(result, tmp_path / "artifact")
+    x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    got = load_executor(out, result.manifest).run({"x": x})["y"]
+    import onnxruntime as ort
+
+    want = ort.InferenceSession(mlp().SerializeToString()).run(["y"], {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
