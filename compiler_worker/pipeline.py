@@ -411,6 +411,9 @@ def _compile(
     stages.enter(JobStage.OPTIMIZING)
     inputs, outputs = signature(prepared)
     ranges = input_ranges(prepared)  # integer inputs stay inside the tables they index
+    inputs = [spec.model_copy(update={"value_range": (ranges[spec.name].low,
+                                                      ranges[spec.name].high)})
+              if spec.name in ranges else spec for spec in inputs]
     if samples is not None:
         feeds = dataset_feeds(samples, inputs, what="samples")
         source = f"dataset:{options.samples}" if options.samples else "dataset"

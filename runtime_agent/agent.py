@@ -41,7 +41,7 @@ from runtime_agent.executors import (
 )
 from runtime_agent.fingerprint import resolve_fingerprint
 from runtime_agent.plugins import LoadedPlugin
-from runtime_agent.samples import numpy_dtype, sample_inputs
+from runtime_agent.samples import IntegerRange, numpy_dtype, sample_inputs
 from runtime_agent.server import ServerThread, create_app
 from runtime_agent.serving import ModelTable, ServedModel
 from schemas.agents import (
@@ -409,7 +409,10 @@ def health_check(executor: Executor) -> None:
         name: list(profile.opt) for name, profile in manifest.options.shapes.items()}
     where = f"artifact {manifest.artifact_id} failed its health check"
     try:
-        outputs = executor.run(sample_inputs(manifest.inputs, shapes, seed=manifest.options.seed))
+        ranges = {spec.name: IntegerRange(*spec.value_range) for spec in manifest.inputs
+                  if spec.value_range is not None}
+        outputs = executor.run(sample_inputs(manifest.inputs, shapes, seed=manifest.options.seed,
+                                             ranges=ranges))
     except KilnError as exc:
         raise HealthCheckFailed(f"{where}: {exc.message}", artifact_id=manifest.artifact_id,
                                 cause=exc.code.value) from exc

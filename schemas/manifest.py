@@ -23,6 +23,9 @@ class TensorSpec(BaseModel):
     name: str
     dtype: str
     shape: list[int | str]
+    #: For an integer input: generated values stay in ``[low, high)`` (indices inside the table
+    #: they gather from, 0/1 masks). Agents draw their health-check inputs from it too.
+    value_range: tuple[int, int] | None = None
 
 
 class BlobRef(BaseModel):
