@@ -164,15 +164,26 @@ def _judge(trial: Trial, options: CompileOptions, feeds: Sequence[Feed],
                                f"{gate.threshold:g})")
 
 
+#: A candidate whose warm call takes this many times the fastest one's is not benchmarked
+#: further: no round of noise closes such a gap, and it would eat the budget.
+PRUNE_RATIO = 3.0
+
+
 def _benchmark(trials: list[Trial], feed: Feed, options: CompileOptions,
                started: float) -> tuple[int, int]:
-    """Interleaved rounds over every trial; returns (rounds, iterations per trial)."""
+    """Interleaved rounds over every trial; returns (rounds, iterations per trial). Trials far
+    slower than the fastest after warm-up are pruned (their one timing stays)."""
     for trial in trials:  # warm up, and time one call to fit the budget
         assert trial.executor is not None
         trial.executor.run(feed)
         t0 = time.perf_counter()
         trial.executor.run(feed)
         trial.timings.append((time.perf_counter() - t0) * 1000.0)
+    fastest = min(t.timings[0] for t in trials)
+    for trial in [t for t in trials if t.timings[0] > PRUNE_RATIO * fastest]:
+        trial.result.reason = (f"pruned after warm-up: {trial.timings[0]:.3f} ms against "
+                               f"{fastest:.3f} ms")
+        trials.remove(trial)
     per_round_s = sum(t.timings[0] for t in trials) / 1000.0
     iterations = options.benchmark_iterations
     left = _budget_left(started, options.tuning_budget_s)
@@ -323,14 +334,17 @@ def tune(
     rounds = iterations = 0
     if passing:
         stage(JobStage.BENCHMARKING)
-        rounds, iterations = _benchmark(passing, feeds[0], options, started)
+        measured = list(passing)
+        rounds, iterations = _benchmark(measured, feeds[0], options, started)
         for trial in passing:
             trial.result.p50_ms = float(np.percentile(trial.timings, 50))
             trial.result.p90_ms = float(np.percentile(trial.timings, 90))
-    winner = min(passing, key=lambda t: t.result.p50_ms or np.inf) if passing else None
+    else:
+        measured = []
+    winner = min(measured, key=lambda t: t.result.p50_ms or np.inf) if measured else None
     if winner is not None:
         winner.result.outcome, winner.result.reason = CandidateOutcome.WON, ""
-        for trial in passing:
+        for trial in measured:
             if trial is not winner:
                 ratio = (trial.result.p50_ms or 0) / (winner.result.p50_ms or 1)
                 trial.result.reason = (f"p50 {trial.result.p50_ms:.3f} ms is {ratio:.2f}x the "

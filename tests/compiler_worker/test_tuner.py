@@ -37,7 +37,8 @@ def test_tuning_keeps_the_fastest_candidate_that_passes(
     winner = table.candidate(table.winner)
     assert winner.outcome is CandidateOutcome.WON
     assert winner.p50_ms == min(c.p50_ms for c in passed)
-    assert all("the winner's" in c.reason for c in passed if c is not winner)
+    assert all("the winner's" in c.reason or "pruned after warm-up" in c.reason
+               for c in passed if c is not winner)
     assert result.manifest.precision == "fp32" == winner.precision
     assert result.manifest.runtime_config["optimization_level"] == \
         winner.config["optimization_level"]
