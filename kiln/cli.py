@@ -116,6 +116,7 @@ def api(
 
     settings = get_settings()
     _logging(settings.log_level)
+    _start_up(settings, "api", production=settings.env != "dev")
     application = create_app(settings)
     uvicorn.run(application, host=host or settings.api_host, port=port or settings.api_port,
                 log_level=settings.log_level.lower())
@@ -133,9 +134,25 @@ def worker(
         os.environ["KILN_WORKER_NAME"] = name
     if fingerprint_file:
         os.environ["KILN_FINGERPRINT_FILE"] = str(fingerprint_file)
+    from compiler_worker.config import get_worker_settings
+
+    settings = get_worker_settings()
+    _logging(settings.log_level)
+    _start_up(settings, "worker", production=settings.env != "dev")
     from compiler_worker.worker import run_worker
 
-    run_worker(concurrency=concurrency, pool=pool)
+    run_worker(concurrency=concurrency, pool=pool, settings=settings)
+
+
+def _start_up(settings, component: str, *, production: bool) -> None:
+    """Refuse unknown ``KILN_*`` variables (production) and the embedded defaults
+    (production, control plane), then log the effective configuration, secrets redacted."""
+    from kiln.settings import start_up
+
+    if hasattr(settings, "check_explicit"):  # the control plane's settings (api, worker)
+        settings.check_explicit()
+    start_up(settings, component, os.environ, logging.getLogger(f"kiln.{component}"),
+             production=production)
 
 
 @app.command()
@@ -189,6 +206,9 @@ def agent(
         updates["trusted_keys"] = [default_key]
     settings = settings.model_copy(update=updates)
     _logging(settings.log_level)
+    from kiln.settings import is_production
+
+    _start_up(settings, "agent", production=is_production())
     builder = _start_builder(settings.name, fingerprint_file) if build else None
     try:
         run_agent(settings)
@@ -263,6 +283,61 @@ def token(
             f"no KILN_SECRET_KEY and no {secret_file}; run `kiln up` first", param_hint="--home"
         )
     console.print(mint_token(secret, role=Role(role), subject=subject), soft_wrap=True)
+
+
+@app.command("config")
+def config_(
+    component: Annotated[list[str] | None, typer.Option(
+        "--component", "-c", help="api, worker, agent or cli; repeatable (default: all)")] = None,
+    markdown: Annotated[bool, typer.Option(
+        "--markdown", help="print the table of every variable (the README's), not values")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Print the effective settings of each component, secrets redacted, and where each value
+    came from: env, file, or default."""
+    from pydantic import ValidationError
+
+    from kiln.config import CLIENT_FILE
+    from kiln.settings import effective, markdown_table, settings_classes, unknown_variables
+
+    if markdown:
+        console.print(markdown_table(), markup=False, highlight=False, soft_wrap=True)
+        return
+    classes = settings_classes()
+    wanted = component or list(classes)
+    for name in wanted:
+        if name not in classes:
+            raise typer.BadParameter(f"{name!r}: expected one of {', '.join(classes)}",
+                                     param_hint="--component")
+    result: dict[str, list[dict[str, str]]] = {}
+    for name in wanted:
+        try:
+            settings = classes[name]()
+        except ValidationError as exc:
+            raise KilnError(f"invalid {name} settings: {exc}") from exc
+        file_fields: dict[str, str] = {}
+        if name == "cli":  # the CLI falls back on the client.json `kiln up` writes
+            path = settings.home / CLIENT_FILE
+            saved = json.loads(path.read_text()) if path.is_file() else {}
+            update = {k: saved[k] for k in ("api_url", "token")
+                      if getattr(settings, k) is None and saved.get(k)}
+            settings = settings.model_copy(update=update)
+            file_fields = dict.fromkeys(update, str(path))
+        result[name] = [vars(row) for row in effective(settings, os.environ,
+                                                       file_fields=file_fields)]
+    unknown = unknown_variables(os.environ)
+    if as_json:
+        console.print_json(json.dumps({"components": result, "unknown": unknown}))
+        return
+    for name, rows in result.items():
+        table = Table("variable", "value", "source", title=name)
+        table.columns[1].overflow = "fold"  # a value is never cut short
+        for row in rows:
+            table.add_row(row["name"], row["value"], row["source"])
+        console.print(table)
+    for name, close in unknown.items():
+        err.print(f"[yellow]unknown variable[/] {name}: read by no setting"
+                  + (f" (did you mean {' or '.join(close)}?)" if close else ""))
 
 
 # ---------------------------------------------------------------- user commands
@@ -663,6 +738,8 @@ def compile(
         progress.update(bar, description="done", completed=1.0)
     m = result.manifest
     if m.tuning is not None:
+        from kiln.ui import tuning_table
+
         err.print(tuning_table(m.tuning))
     console.print(f"wrote {path}: {m.backend} {m.precision} for {m.fingerprint_key}; "
                   f"verification max abs {m.verification.max_abs_error:.3g}; "
@@ -680,25 +757,6 @@ def _read_dataset(path: Path | None, flag: str):
         return load_npz(data, max_bytes=len(data) + 1)
     except KilnError as exc:
         raise typer.BadParameter(exc.message, param_hint=flag) from exc
-
-
-def tuning_table(tuning) -> Table:
-    """The candidate table of a ``TuningTable``: the winner first marked, then the rest."""
-    table = Table("", "candidate", "precision", "accuracy", "max abs", "p50 ms", "p90 ms",
-                  "build s", "outcome", title=f"tuning for {tuning.fingerprint_key} "
-                  f"({tuning.elapsed_s:.1f} s of {tuning.budget_s:g} s, {tuning.rounds} rounds"
-                  f"{', reused' if tuning.reused else ''}; inputs {tuning.inputs})")
-
-    def fmt(value, spec):
-        return "-" if value is None else format(value, spec)
-
-    for c in tuning.candidates:
-        table.add_row("*" if c.name == tuning.winner else "", c.name, c.precision,
-                      "-" if c.accuracy is None else f"{c.accuracy_metric} {c.accuracy:.4f}",
-                      fmt(c.max_abs_error, ".2g"), fmt(c.p50_ms, ".3f"), fmt(c.p90_ms, ".3f"),
-                      fmt(c.build_s, ".1f"),
-                      c.outcome.value + (f": {c.reason}" if c.reason else ""))
-    return table
 
 
 @app.command()

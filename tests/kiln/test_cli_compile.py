@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from kiln import runtime
 from kiln.cli import app
-from kiln.examples import small_cnn
+from kiln.examples import mlp, small_cnn
 from schemas import ArtifactManifest, HardwareFingerprint
 
 runner = CliRunner()
@@ -91,3 +91,26 @@ def test_compile_with_a_plugin_bundle_and_run(tmp_path: Path):
     manifest = ArtifactManifest.model_validate_json((out / "manifest.json").read_text())
     assert [p.name for p in manifest.plugins] == ["swish"]
     assert list((out / "plugins").glob("*.tar"))
+
+
+def test_compile_tunes_on_samples_and_prints_the_candidates(tmp_path: Path):
+    model = tmp_path / "mlp.onnx"
+    model.write_bytes(mlp().SerializeToString())
+    samples = tmp_path / "samples.npz"
+    np.savez(samples, x=np.random.default_rng(0).standard_normal((6, 2, 64)).astype(np.float32))
+    out = tmp_path / "artifact"
+    wide = CliRunner(env={"COLUMNS": "400"})
+    result = wide.invoke(app, ["compile", str(model), "--out", str(out), "--precision",
+                               "auto", "--samples", str(samples)])
+    assert result.exit_code == 0, result.output
+    manifest = ArtifactManifest.model_validate_json((out / "manifest.json").read_text())
+    assert manifest.options.samples == manifest.inputs_source.removeprefix("dataset:")
+    names = [c.name for c in manifest.tuning.candidates]
+    assert "onnxruntime/int8-static-qdq-l3" in names
+    assert manifest.tuning.winner in result.stderr and "int8-dynamic" in result.stderr
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x=np.zeros((2, 2, 63), np.float32))
+    refused = runner.invoke(app, ["compile", str(model), "--out", str(tmp_path / "b"),
+                                  "--samples", str(bad)])
+    assert refused.exit_code != 0 and "[2, 63]" in str(refused.exception)
+    assert not (tmp_path / "b").exists()
