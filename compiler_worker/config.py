@@ -18,6 +18,7 @@ class WorkerSettings(KilnSettings):
     worker_workdir: Path | None = None
     #: Declared hardware (JSON of HardwareFingerprint) instead of detection.
     fingerprint_file: Path | None = None
+    #: Jobs one worker builds at once (Celery processes).
     worker_concurrency: int = Field(1, ge=1)
     #: Seconds between heartbeats. The control plane counts a worker lost after three missed
     #: beats and hands its running job to another worker.

@@ -14,8 +14,11 @@ CLIENT_FILE = "client.json"
 class ClientSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KILN_", extra="ignore")
 
+    #: Where `client.json` (written by `kiln up`) is looked for.
     home: Path = Path(".kiln")
+    #: The API the CLI and SDK talk to (else `client.json`, else `http://127.0.0.1:8000`).
     api_url: str | None = None
+    #: Bearer token of the CLI and SDK (else `client.json`).
     token: str | None = None
 
     def resolved(self) -> tuple[str, str | None]:

@@ -70,11 +70,13 @@ class AgentSettings(BaseSettings):
     name: str = Field(default_factory=_default_name, pattern=AGENT_NAME_PATTERN)
     #: Matched by deployment selectors.
     labels: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+    #: Where pulled artifacts are kept (verified, then activated atomically).
     cache_dir: Path = Path(".kiln/agent-cache")
     #: Least-recently-used artifacts beyond this are evicted (never one in use).
     cache_max_bytes: int = Field(10 * GiB, ge=0)
     #: Heartbeat period until the control plane names its own.
     heartbeat_s: float = Field(5.0, gt=0)
+    #: Address the inference server (HTTP and gRPC) listens on.
     serve_host: str = "127.0.0.1"
     #: The inference server's port; 0 runs no server.
     serve_port: int = Field(8100, ge=0, le=65535)
@@ -91,6 +93,7 @@ class AgentSettings(BaseSettings):
     max_body_bytes: int = Field(64 * MiB, ge=1)
     #: Timeout of each HTTP call to the control plane (and of each blob read).
     request_timeout_s: float = Field(30.0, gt=0)
+    #: Python logging level of the agent.
     log_level: str = "INFO"
 
     @field_validator("labels", mode="before")
