@@ -309,6 +309,11 @@ class ArtifactStore(ABC):
             verifier.verify(manifest)
         return manifest
 
+    def ping(self) -> None:
+        """Raise (``StoreError``, ``ConfigError``) unless the store answers: one cheap read
+        of a key that need not exist (a HEAD on S3). Readiness probes call it."""
+        self._size(f"{MANIFEST_PREFIX}/readyz/{MANIFEST_NAME}")
+
     def has_manifest(self, artifact_id: str) -> bool:
         """True when the artifact has a published manifest."""
         return self._size(self.manifest_key(artifact_id)) is not None

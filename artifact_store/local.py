@@ -11,7 +11,7 @@ from pathlib import Path
 
 from artifact_store.base import ArtifactStore, check_key
 from artifact_store.digest import CHUNK_SIZE
-from schemas.errors import InvalidRequest, NotFound
+from schemas.errors import InvalidRequest, NotFound, StoreError
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,14 @@ class LocalStore(ArtifactStore):
                 if remaining is not None:
                     remaining -= len(chunk)
                 yield chunk
+
+    def ping(self) -> None:
+        """The root must still be a folder this process can write to."""
+        if not self.root.is_dir():
+            raise StoreError(f"the store folder {self.root} is gone; recreate it "
+                             f"(`kiln store init`) or fix KILN_STORE_URI")
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise StoreError(f"the store folder {self.root} is not writable by this process")
 
     def _size(self, key: str) -> int | None:
         path = self._path(key)

@@ -59,10 +59,11 @@ class EmbeddedStack:
             generate_keypair(key_file)
         env = {
             **os.environ,
+            # The embedded defaults (SQLite, a local store, the filesystem broker) are dev's.
+            "KILN_ENV": "dev",
             "KILN_HOME": str(self.home),
             "KILN_SECRET_KEY": secret_file.read_text().strip(),
             "KILN_SIGNING_KEY_PATH": str(key_file),
-            "KILN_TRUSTED_KEYS": f'["{key_file}.pub"]',
             "KILN_API_HOST": self.host,
             "KILN_API_PORT": str(self.port),
         }
@@ -150,7 +151,7 @@ class EmbeddedStack:
                         f"see {self.home / 'logs'}"
                     )
             try:
-                if httpx.get(f"{self.api_url}/healthz", timeout=2).status_code == 200:
+                if httpx.get(f"{self.api_url}/readyz", timeout=5).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

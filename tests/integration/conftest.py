@@ -86,6 +86,7 @@ def kiln_stack(request, tmp_path: Path, monkeypatch) -> Iterator[RunningStack]:
     endpoint = request.getfixturevalue("s3_endpoint")
     bucket = request.getfixturevalue("s3_bucket")
     overrides = {
+        "KILN_ENV": "production",  # every service named: production strictness applies
         "KILN_DATABASE_URL": request.getfixturevalue("postgres_url"),
         "KILN_BROKER_URL": redis_url,
         "KILN_STORE_URI": f"s3://{bucket}/artifacts",
