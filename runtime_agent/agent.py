@@ -27,6 +27,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from runtime_agent import executors
 from runtime_agent.cache import ArtifactCache
@@ -60,6 +61,9 @@ from schemas.errors import (
 )
 from schemas.fingerprint import HardwareFingerprint
 from schemas.manifest import ArtifactManifest
+
+if TYPE_CHECKING:
+    from runtime_agent.grpc_server import GrpcServer
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +119,7 @@ class Agent:
                                     timeout_s=settings.request_timeout_s)
         self.registered = threading.Event()
         self._server: ServerThread | None = None
+        self._grpc: GrpcServer | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -133,6 +138,19 @@ class Agent:
                                         self.settings.serve_port)
             try:
                 self._server.start()
+            except BaseException:
+                self.stop()
+                raise
+        if self.settings.grpc_port:
+            from runtime_agent.grpc_server import GrpcServer  # grpc only where it serves
+
+            token = self.settings.serve_token
+            self._grpc = GrpcServer(
+                self.models, self.app.state.metrics, self.settings.serve_host,
+                self.settings.grpc_port, max_message_bytes=self.settings.max_body_bytes,
+                token=token.get_secret_value() if token else None)
+            try:
+                self._grpc.start()
             except BaseException:
                 self.stop()
                 raise
@@ -158,6 +176,9 @@ class Agent:
         if self._server is not None:
             self._server.stop(timeout_s)
             self._server = None
+        if self._grpc is not None:
+            self._grpc.stop(min(timeout_s, 5.0))
+            self._grpc = None
         self.control.close()
         self.cache.close()
         logger.info("agent %s stopped", self.settings.name)

@@ -80,6 +80,9 @@ class AgentSettings(BaseSettings):
     serve_host: str = "127.0.0.1"
     #: The inference server's port; 0 runs no server.
     serve_port: int = Field(8100, ge=0, le=65535)
+    #: The Open Inference Protocol's gRPC port (on ``serve_host``, same models and token);
+    #: 0, the default, runs no gRPC server.
+    grpc_port: int = Field(0, ge=0, le=65535)
     #: The URL reported to the control plane; default ``http://<serve_host>:<serve_port>``.
     advertise_url: str | None = None
     #: When set, every inference-server route but ``/healthz`` needs

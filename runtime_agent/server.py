@@ -8,8 +8,16 @@
     ``NaN``/``Infinity`` (as Python's ``json`` does); use npz for exact values.
 ``GET /v1/models``
     The loaded models: artifact, tier, signature and latency statistics.
+``/v2/...``
+    The Open Inference Protocol (KServe v2) REST API, as ``tritonclient.http`` speaks it
+    (``runtime_agent.oip``): ``GET /v2/health/live``, ``/v2/health/ready``, ``GET
+    /v2/models/{name}[/versions/{v}]`` (metadata) and ``.../ready``, ``POST
+    .../infer`` with JSON tensors or the binary-data extension (a JSON header of
+    ``Inference-Header-Content-Length`` bytes, then the raw tensors), and Triton's ``POST
+    /v2/repository/index``. Errors are ``{"error": message}``; the one version of a model is
+    its artifact id.
 ``GET /metrics``
-    Prometheus: requests by model, artifact and outcome, and a latency histogram.
+    Prometheus: Kiln's own and Triton's ``nv_inference_*`` (``runtime_agent.inference``).
 ``GET /healthz``
 
 Every error is an ``ErrorBody`` JSON with the status of its code: a bad input is a 4xx that
@@ -19,6 +27,7 @@ says what was expected, and the server keeps serving.
 from __future__ import annotations
 
 import hmac
+import importlib.metadata
 import io
 import json
 import logging
@@ -33,19 +42,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    generate_latest,
-)
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime_agent.samples import numpy_dtype
-from runtime_agent.serving import ModelTable
+from runtime_agent import inference, oip
+from runtime_agent.inference import Metrics
+from runtime_agent.oip import array_from_json
+from runtime_agent.serving import ModelTable, ServedModel
 from schemas.errors import (
     ConfigError,
     ErrorBody,
@@ -61,42 +65,13 @@ logger = logging.getLogger(__name__)
 NPZ = "application/x-npz"
 JSON = "application/json"
 ARTIFACT_HEADER = "X-Kiln-Artifact-Id"
-#: Latency histogram buckets, seconds: engines answer in well under a millisecond to seconds.
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                   5.0, 10.0)
 _HTTP_CODES = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.INVALID_REQUEST,
                413: ErrorCode.MODEL_TOO_LARGE}
+#: Health probes: they need no token.
+_PROBES = frozenset({"/healthz", "/v2/health/live", "/v2/health/ready"})
 
 
 # ---------------------------------------------------------------- decoding and encoding
-def _array_from_json(spec: TensorSpec, value: Any) -> np.ndarray:
-    """``value`` (nested lists) as an array of ``spec``'s dtype, refusing lossy conversions."""
-    where = f"input {spec.name!r} ({spec.dtype}{list(spec.shape)})"
-    try:
-        array = np.asarray(value)
-    except (ValueError, TypeError) as exc:
-        raise InvalidRequest(f"{where}: expected a nested list of numbers; {exc}") from exc
-    dtype = numpy_dtype(spec.dtype)
-    if array.size == 0:
-        return array.astype(dtype)
-    kind, target = array.dtype.kind, dtype.kind
-    if kind not in "biuf" or (target == "b") != (kind == "b"):
-        given = {"b": "booleans", "O": "mixed or non-numeric values", "U": "strings"}.get(
-            kind, f"values of type {array.dtype}")
-        wanted = "booleans (true/false)" if target == "b" else "numbers"
-        raise InvalidRequest(f"{where}: expected {wanted}; given {given}")
-    if target in "iu":
-        if kind == "f":
-            raise InvalidRequest(f"{where}: expected integers; given non-integer numbers")
-        info = np.iinfo(dtype)
-        if array.min() < info.min or array.max() > info.max:
-            raise InvalidRequest(
-                f"{where}: values must lie in [{info.min}, {info.max}]; given "
-                f"[{array.min()}, {array.max()}]"
-            )
-    return array.astype(dtype)
-
-
 def decode_json(body: bytes, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
     """The feed of a JSON request ``{"inputs": {name: nested list}}``."""
     try:
@@ -111,7 +86,7 @@ def decode_json(body: bytes, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
         )
     # An unknown name gets a placeholder: validate_inputs reports names before any value.
     return {
-        name: _array_from_json(expected[name], value) if name in expected else np.empty(0)
+        name: array_from_json(expected[name], value) if name in expected else np.empty(0)
         for name, value in document["inputs"].items()
     }
 
@@ -187,38 +162,6 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-# ---------------------------------------------------------------- metrics
-class _LoadedModels:
-    """A collector: ``kiln_agent_model_info{model, artifact, backend, tier} 1`` per model."""
-
-    def __init__(self, table: ModelTable) -> None:
-        self.table = table
-
-    def collect(self):
-        family = GaugeMetricFamily("kiln_agent_model_info", "Models loaded on this agent",
-                                   labels=["model", "artifact", "backend", "tier"])
-        for model in self.table.all():
-            family.add_metric([model.name, model.artifact_id, model.manifest.backend,
-                               model.tier], 1.0)
-        yield family
-
-
-class Metrics:
-    """The agent's Prometheus metrics, in their own registry."""
-
-    def __init__(self, table: ModelTable, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
-        self.requests = Counter(
-            "kiln_agent_requests", "Inference requests by model, artifact and outcome",
-            ["model", "artifact", "outcome"], registry=self.registry,
-        )
-        self.latency = Histogram(
-            "kiln_agent_request_seconds", "Latency of successful inference requests",
-            ["model", "artifact"], buckets=LATENCY_BUCKETS, registry=self.registry,
-        )
-        self.registry.register(_LoadedModels(table))
-
-
 # ---------------------------------------------------------------- the app
 def create_app(
     table: ModelTable,
@@ -227,39 +170,49 @@ def create_app(
     registry: CollectorRegistry | None = None,
     token: str | None = None,
 ) -> FastAPI:
-    """The inference app over the models in ``table``. With ``token``, every route but
-    ``/healthz`` needs ``Authorization: Bearer <token>`` (401 otherwise)."""
+    """The inference app over the models in ``table``. With ``token``, every route but the
+    health probes (``/healthz``, ``/v2/health/*``) needs ``Authorization: Bearer <token>``
+    (401 otherwise)."""
     app = FastAPI(title="Kiln agent", summary="Inference on the engines this agent serves")
     metrics = Metrics(table, registry)
     app.state.metrics = metrics
+
+    def error(request: Request, status: int, body: ErrorBody,
+              headers: dict[str, str] | None = None) -> JSONResponse:
+        """An error in the form of the route's protocol: ``{"error": message}`` under
+        ``/v2``, an ``ErrorBody`` elsewhere."""
+        if request.url.path.startswith("/v2"):
+            return JSONResponse(status_code=status, content={"error": body.message},
+                                headers=headers)
+        return _error_response(status, body, headers)
 
     if token:
         expected = f"Bearer {token}".encode()
 
         @app.middleware("http")
         async def _require_token(request: Request, call_next):
-            if request.url.path != "/healthz":
+            if request.url.path not in _PROBES:
                 given = request.headers.get("authorization", "").encode()
                 if not hmac.compare_digest(given, expected):
                     body = ErrorBody(
                         code=ErrorCode.UNAUTHENTICATED,
                         message="this agent's inference server needs 'Authorization: Bearer "
                                 "<token>' (the agent's KILN_AGENT_SERVE_TOKEN)")
-                    return _error_response(401, body, {"WWW-Authenticate": "Bearer"})
+                    return error(request, 401, body, {"WWW-Authenticate": "Bearer"})
             return await call_next(request)
 
     @app.exception_handler(KilnError)
     async def _kiln_error(request: Request, exc: KilnError):
         if exc.http_status >= 500:
             logger.error("%s %s failed: %s", request.method, request.url.path, exc.message)
-        return _error_response(exc.http_status, exc.to_body())
+        return error(request, exc.http_status, exc.to_body())
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         problems = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}"
                              for e in exc.errors())
         body = ErrorBody(code=ErrorCode.INVALID_REQUEST, message=f"invalid request: {problems}")
-        return _error_response(400, body)
+        return error(request, 400, body)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -267,47 +220,43 @@ def create_app(
         message = str(exc.detail)
         if exc.status_code == 404:
             message = (f"no route {request.method} {request.url.path}; routes are POST "
-                       f"/v1/models/{{name}}/infer, GET /v1/models, /metrics, /healthz")
-        return _error_response(exc.status_code, ErrorBody(code=code, message=message))
+                       f"/v1/models/{{name}}/infer, GET /v1/models, the Open Inference "
+                       f"Protocol's /v2/health/{{live,ready}}, /v2/models/{{name}}[/versions/"
+                       f"{{v}}][/ready|/infer], POST /v2/repository/index, /metrics, /healthz")
+        return error(request, exc.status_code, ErrorBody(code=code, message=message))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         body = ErrorBody(code=ErrorCode.INTERNAL, message="internal error; see the agent log")
-        return _error_response(500, body)
+        return error(request, 500, body)
 
+    # ------------------------------------------------------------ Kiln's own protocol
     @app.post("/v1/models/{name}/infer")
     async def infer(name: str, request: Request) -> Response:
         """Run model ``name`` on the request's inputs (JSON or npz)."""
+        started = time.perf_counter()
         model = table.get(name)
         body = await _read_body(request, max_body_bytes)
         content_type = request.headers.get("content-type", JSON).split(";")[0].strip().lower()
-        artifact = model.artifact_id
-        try:
+
+        def decode() -> dict[str, np.ndarray]:
             if content_type == NPZ:
-                feed = decode_npz(body, max_body_bytes)
-            elif content_type in (JSON, ""):
-                feed = decode_json(body, model.manifest.inputs)
-            else:
-                raise InvalidRequest(
-                    f"unsupported Content-Type {content_type!r}; send {JSON} "
-                    f'({{"inputs": {{...}}}}) or {NPZ} (np.savez)'
-                )
-            started = time.perf_counter()
-            outputs = await run_in_threadpool(model.executor.run, feed)
-            elapsed = time.perf_counter() - started
-        except KilnError as exc:
-            model.stats.record_error()
-            metrics.requests.labels(name, artifact, exc.code.value).inc()
-            raise
-        model.stats.record(elapsed)
-        metrics.requests.labels(name, artifact, "ok").inc()
-        metrics.latency.labels(name, artifact).observe(elapsed)
-        headers = {ARTIFACT_HEADER: artifact}
+                return decode_npz(body, max_body_bytes)
+            if content_type in (JSON, ""):
+                return decode_json(body, model.manifest.inputs)
+            raise InvalidRequest(
+                f"unsupported Content-Type {content_type!r}; send {JSON} "
+                f'({{"inputs": {{...}}}}) or {NPZ} (np.savez)'
+            )
+
+        outputs = await run_in_threadpool(inference.run, model, decode, metrics,
+                                          started=started)
+        headers = {ARTIFACT_HEADER: model.artifact_id}
         if NPZ in request.headers.get("accept", ""):
             return Response(encode_npz(outputs), media_type=NPZ, headers=headers)
         return _json_response(
-            {"model": name, "artifact_id": artifact,
+            {"model": name, "artifact_id": model.artifact_id,
              "outputs": {key: _jsonable(value) for key, value in outputs.items()}},
             headers=headers,
         )
@@ -316,6 +265,61 @@ def create_app(
     def list_models() -> list[dict[str, Any]]:
         """The loaded models, with their artifact, tier, signature and latency statistics."""
         return [model.describe() for model in table.all()]
+
+    # ------------------------------------------------------------ Open Inference Protocol
+    @app.get("/v2")
+    def server_metadata() -> dict[str, Any]:
+        return {"name": oip.SERVER_NAME, "version": server_version(),
+                "extensions": oip.EXTENSIONS}
+
+    @app.get("/v2/health/live")
+    def live() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v2/health/ready")
+    def ready() -> Response:
+        """Ready when at least one model is loaded: an agent with none can infer nothing."""
+        return Response(status_code=200 if table.names() else 400)
+
+    @app.post("/v2/repository/index")
+    def repository_index() -> list[dict[str, Any]]:
+        """Triton's model-repository extension: every loaded model, ready."""
+        return [{"name": m.name, "version": m.artifact_id, "state": "READY", "reason": ""}
+                for m in table.all()]
+
+    @app.get("/v2/models/{name}")
+    @app.get("/v2/models/{name}/versions/{version}")
+    def model_metadata(name: str, version: str = "") -> dict[str, Any]:
+        return oip.metadata(oip.resolve(table, name, version))
+
+    @app.get("/v2/models/{name}/ready")
+    @app.get("/v2/models/{name}/versions/{version}/ready")
+    def model_ready(name: str, version: str = "") -> Response:
+        oip.resolve(table, name, version)
+        return Response(status_code=200)
+
+    @app.post("/v2/models/{name}/infer")
+    @app.post("/v2/models/{name}/versions/{version}/infer")
+    async def v2_infer(name: str, request: Request, version: str = "") -> Response:
+        """An inference in JSON, or with the binary-data extension (tritonclient's)."""
+        started = time.perf_counter()
+        model = oip.resolve(table, name, version)
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise InvalidRequest(f"unsupported Content-Encoding {encoding!r}; send the "
+                                 f"request uncompressed")
+        declared = request.headers.get(oip.HEADER_LENGTH)
+        if declared is not None and not declared.strip().isdigit():
+            raise InvalidRequest(f"{oip.HEADER_LENGTH} must be a byte count; given "
+                                 f"{declared!r}")
+        body = await _read_body(request, max_body_bytes)
+        header_length = int(declared) if declared is not None else None
+        content, json_length = await run_in_threadpool(
+            _v2_infer, model, body, header_length, metrics, started)
+        if json_length is None:
+            return Response(content, media_type=JSON)
+        return Response(content, media_type="application/octet-stream",
+                        headers={oip.HEADER_LENGTH: str(json_length)})
 
     @app.get("/metrics")
     def prometheus() -> Response:
@@ -326,6 +330,27 @@ def create_app(
         return {"status": "ok", "models": table.names()}
 
     return app
+
+
+def _v2_infer(model: ServedModel, body: bytes, header_length: int | None, metrics: Metrics,
+              started: float) -> tuple[bytes, int | None]:
+    """Decode, run and encode one REST inference (in a worker thread, off the event loop)."""
+    decoded: list[oip.RestRequest] = []
+
+    def decode() -> dict[str, np.ndarray]:
+        decoded.append(oip.decode_rest(model, body, header_length))
+        return decoded[0].feed
+
+    outputs = inference.run(model, decode, metrics, started=started)
+    return oip.encode_rest(model, decoded[0], outputs)
+
+
+def server_version() -> str:
+    """Kiln's installed version, reported as the server's."""
+    try:
+        return importlib.metadata.version("kiln")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class ServerThread:

@@ -87,6 +87,9 @@ class Executor(ABC):
     preference: ClassVar[int] = 0
     #: Whether this executor runs engines with custom-op plugins (``manifest.plugins``).
     supports_plugins: ClassVar[bool] = False
+    #: The model platform the Open Inference Protocol reports (Triton's name where one fits;
+    #: empty: ``kiln_<backend>``).
+    platform: ClassVar[str] = ""
 
     @classmethod
     @abstractmethod

@@ -137,6 +137,7 @@ class OnnxRuntimeExecutor(Executor):
 
     backend = "onnxruntime"
     runtime = "onnxruntime"
+    platform = "onnxruntime_onnx"
     media_types = {ENGINE_MEDIA_TYPE: ".onnx"}
     preference = 10
     supports_plugins = True

@@ -124,6 +124,7 @@ class TensorRTExecutor(Executor):
 
     backend = "tensorrt"
     runtime = "tensorrt"
+    platform = "tensorrt_plan"
     media_types = {ENGINE_MEDIA_TYPE: ".plan"}
     preference = 100
 
