@@ -6,9 +6,18 @@ import logging
 
 from fastapi import APIRouter, status
 
+from artifact_store import ArtifactStore
 from schemas import CompileJob, CompileJobCreate, JobStatus
+from schemas.errors import KilnError
 from schemas.jobs import CompileJobBatch
-from services.api.deps import AdminPrincipal, Limit, QueueDep, ReaderPrincipal, SessionDep
+from services.api.deps import (
+    AdminPrincipal,
+    Limit,
+    QueueDep,
+    ReaderPrincipal,
+    SessionDep,
+    StoreDep,
+)
 from services.api.enqueue import enqueue_jobs
 from services.db import repo
 
@@ -18,7 +27,8 @@ router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"])
 
 @router.post("", response_model=CompileJobBatch, status_code=status.HTTP_202_ACCEPTED)
 def create_compile_jobs(
-    request: CompileJobCreate, session: SessionDep, queue: QueueDep, _: AdminPrincipal
+    request: CompileJobCreate, session: SessionDep, queue: QueueDep, store: StoreDep,
+    _: AdminPrincipal,
 ) -> CompileJobBatch:
     model = repo.get_model(session, model_id=request.model_id)  # 404 before any write
     repo.check_compile_datasets(session, model=model, options=request.options)
@@ -30,7 +40,8 @@ def create_compile_jobs(
         cached = repo.find_artifact(
             session, model_id=request.model_id, options_digest=digest, fingerprint_key=key
         )
-        if cached is not None and repo.plugins_current(session, artifact_id=cached.id):
+        if (cached is not None and repo.plugins_current(session, artifact_id=cached.id)
+                and _blobs_present(store, cached.id)):
             jobs.append(repo.create_cached_job(
                 session, model_id=request.model_id, options=request.options,
                 fingerprint_key=key, artifact_id=cached.id,
@@ -54,6 +65,20 @@ def create_compile_jobs(
     if failure is not None:
         raise failure
     return CompileJobBatch(jobs=[repo.get_job(session, job_id=j.id) for j in jobs])
+
+
+def _blobs_present(store: ArtifactStore, artifact_id: str) -> bool:
+    """Whether a cached artifact's manifest and blobs are still in the store (a HEAD or a
+    stat each): a hit on a lost blob is no hit, and a build is queued instead."""
+    try:
+        manifest = store.read_manifest(artifact_id)
+        missing = [ref.name for ref in manifest.blobs if not store.has_blob(ref)]
+    except KilnError as exc:
+        missing = [f"manifest ({exc.message})"]
+    if missing:
+        logger.warning("artifact %s is recorded but the store lacks %s; queueing a rebuild",
+                       artifact_id, missing)
+    return not missing
 
 
 @router.get("", response_model=list[CompileJob])

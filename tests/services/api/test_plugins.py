@@ -103,6 +103,7 @@ def test_a_newer_plugin_version_is_no_cache_hit_for_old_artifacts(api, settings,
     from schemas.plugins import PluginRef
     from services.db import make_engine, make_session_factory, repo, session_scope
     from tests.services.api.test_api import upload
+    from tests.services.api.test_recovery import published
     from tests.services.db.helpers import manifest
 
     key = "ort-cpu-x86-64-v4-ort1.32"
@@ -111,6 +112,7 @@ def test_a_newer_plugin_version_is_no_cache_hit_for_old_artifacts(api, settings,
     factory = make_session_factory(make_engine(settings.database_url))
     built = manifest(model_id, fingerprint_key=key).model_copy(update={"plugins": [
         PluginRef(name="swish", version="1.0.0", digest=first["digest"])]})
+    published(settings, built, tmp_path)  # a cache hit needs its blobs in the store
     with session_scope(factory) as session:
         repo.record_artifact(session, model_id=model_id, manifest=built)
 
