@@ -69,7 +69,7 @@ class LocalStore(ArtifactStore):
         """The root must still be a folder this process can write to."""
         if not self.root.is_dir():
             raise StoreError(f"the store folder {self.root} is gone; recreate it "
-                             f"(`kiln store init`) or fix KILN_STORE_URI")
+                             f"or fix KILN_STORE_URI")
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise StoreError(f"the store folder {self.root} is not writable by this process")
 

@@ -43,10 +43,6 @@ class KilnSettings(BaseSettings):
     store_uri: str | None = None
     #: The S3 endpoint the control plane and workers use (default: AWS).
     s3_endpoint_url: str | None = None
-    #: The S3 endpoint in presigned URLs handed to agents, when they reach the store by
-    #: another name than the control plane does (e.g. ``https://s3.example.com`` for
-    #: ``http://minio:9000``). Default: ``s3_endpoint_url``.
-    s3_public_endpoint_url: str | None = None
     #: Region of the S3 bucket (used to sign requests).
     s3_region: str = "us-east-1"
     #: Default: kombu's filesystem transport under ``home`` (no server). Production: redis://.

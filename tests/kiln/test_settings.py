@@ -39,7 +39,7 @@ def test_readme_table_is_the_generated_one() -> None:
 
 def test_every_variable_is_documented() -> None:
     names = {v.name for v in variables()}
-    assert {"KILN_S3_REGION", "KILN_PRESIGN_TTL_S", "KILN_S3_PUBLIC_ENDPOINT_URL",
+    assert {"KILN_S3_REGION", "KILN_PRESIGN_TTL_S",
             "KILN_AGENT_TRUSTED_KEYS", "KILN_AGENT_SERVE_TOKEN", "KILN_WORKER_NAME",
             "KILN_API_URL"} <= names
     assert "KILN_TRUSTED_KEYS" not in names  # read by nothing: not a setting any more
