@@ -10,6 +10,7 @@ import threading
 from celery.signals import worker_ready, worker_shutdown
 
 from compiler_worker.backends import available
+from compiler_worker.backends.base import PIPELINE_MODEL_FORMATS
 from compiler_worker.config import WorkerSettings, get_worker_settings
 from compiler_worker.jobs import JobRunner
 from schemas import HardwareFingerprint
@@ -20,8 +21,10 @@ logger = logging.getLogger(__name__)
 
 
 def fingerprint_keys(fingerprint: HardwareFingerprint) -> list[str]:
-    """Every key this machine can build: one per registered backend that supports it."""
-    return [b.fingerprint_key(fingerprint) for b in available() if b.supports(fingerprint)]
+    """Every key this machine can build: one per registered backend that supports it and
+    takes a model format the pipeline hands out (``PIPELINE_MODEL_FORMATS``)."""
+    return [b.fingerprint_key(fingerprint) for b in available()
+            if b.supports(fingerprint) and b.model_formats & PIPELINE_MODEL_FORMATS]
 
 
 def portable_keys(fingerprint: HardwareFingerprint) -> dict[str, str]:

@@ -5,6 +5,7 @@ Registering stores an instance; no toolchain is imported until a backend builds.
 
 from __future__ import annotations
 
+from compiler_worker.backends.aotinductor import AOTInductorBackend
 from compiler_worker.backends.base import PIPELINE_VERSION, Backend, BuiltEngine, Candidate
 from compiler_worker.backends.onnxruntime import OnnxRuntimeBackend
 from compiler_worker.backends.tensorrt import TensorRTBackend
@@ -14,6 +15,7 @@ from schemas.options import CompileOptions
 
 __all__ = [
     "PIPELINE_VERSION",
+    "AOTInductorBackend",
     "Backend",
     "BuiltEngine",
     "Candidate",
@@ -111,3 +113,4 @@ def backend_for_key(fingerprint: HardwareFingerprint, options: CompileOptions,
 
 register(OnnxRuntimeBackend.name, OnnxRuntimeBackend())
 register(TensorRTBackend.name, TensorRTBackend())
+register(AOTInductorBackend.name, AOTInductorBackend())

@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 #: same inputs build a different engine: it is part of every toolchain string, hence of every
 #: artifact's cache key.
 PIPELINE_VERSION = 1
+#: Model formats the compile pipeline hands to backends (``Backend.model_formats``): a worker
+#: serves the queues of the backends that take one of them.
+PIPELINE_MODEL_FORMATS = frozenset({"onnx"})
 
 
 def toolchain_string(runtime: str, version: str) -> str:
@@ -90,6 +93,8 @@ class Backend(ABC):
     priority: ClassVar[int] = 0
     #: The device its engines run on (the one whose custom-op implementations it needs).
     device: ClassVar[str] = "cpu"
+    #: Model formats ``build`` takes (``onnx``, ``torch-export``).
+    model_formats: ClassVar[frozenset[str]] = frozenset({"onnx"})
 
     @property
     def accepts_plugins(self) -> bool:

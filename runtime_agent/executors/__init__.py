@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from runtime_agent.executors.aotinductor import AOTInductorExecutor
 from runtime_agent.executors.base import (
     MANIFEST_FILENAME,
     MEDIA_TYPE_EXTENSIONS,
@@ -26,6 +27,7 @@ from schemas.manifest import ArtifactManifest
 
 __all__ = [
     "MANIFEST_FILENAME",
+    "AOTInductorExecutor",
     "CustomOpAdapter",
     "Executor",
     "OnnxRuntimeExecutor",
@@ -162,3 +164,4 @@ def load_plugins(manifest: ArtifactManifest, bundles: Mapping[str, Path],
 
 register(OnnxRuntimeExecutor.backend, OnnxRuntimeExecutor)
 register(TensorRTExecutor.backend, TensorRTExecutor)
+register(AOTInductorExecutor.backend, AOTInductorExecutor)

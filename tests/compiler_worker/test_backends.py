@@ -77,7 +77,7 @@ def test_onnxruntime_compatibility(built, node, level, expected) -> None:
 
 def test_registry() -> None:
     assert backends.get("onnxruntime") is not None
-    assert backends.names() == ["tensorrt", "onnxruntime"]  # by priority
+    assert backends.names() == ["tensorrt", "onnxruntime", "aotinductor"]  # by priority
     assert [b.name for b in backends.available()] == backends.names()
     with pytest.raises(BackendUnavailable, match=r"Currently registered backends are: \['tensor"):
         backends.get("tvm")

@@ -19,7 +19,13 @@ from itertools import product
 
 import pytest
 
-from compiler_worker.backends import Backend, Candidate, OnnxRuntimeBackend, TensorRTBackend
+from compiler_worker.backends import (
+    AOTInductorBackend,
+    Backend,
+    Candidate,
+    OnnxRuntimeBackend,
+    TensorRTBackend,
+)
 from runtime_agent.executors import node_compatibility_keys, node_fingerprint_keys
 from schemas.fingerprint import HardwareFingerprint
 from schemas.options import CompileOptions
@@ -29,11 +35,16 @@ from tests.runtime_agent.fingerprints_table import (
     with_onnxruntime,
     with_tensorrt,
 )
+from tests.runtime_agent.test_aotinductor_keys import with_torch
 
 TRT_VERSIONS = ["8.5.3", "8.6.1", "10.0.1", "10.2.0", "10.3.0", "10.5.1", "11.0.0"]
 CPU_POPULATION = [e.fingerprint for e in TABLE.values()] + [
     with_onnxruntime(e.fingerprint, "1.21.0") for e in TABLE.values()]
 GPU_POPULATION = [with_tensorrt(e.fingerprint, v) for e in GPU_NODES.values() for v in TRT_VERSIONS]
+
+#: Every table node under three torch builds (CPU, CUDA 12.8, a CUDA build of another minor).
+AOTI_POPULATION = [with_torch(e.fingerprint, v) for e in TABLE.values()
+                   for v in ("2.13.0+cpu", "2.13.0+cu128", "2.12.1+cu126")]
 
 ORT_CONFIGS = [  # as OnnxRuntimeBackend writes them, plus a manifest without a level
     (CompileOptions(optimization_level=n),
@@ -48,9 +59,15 @@ TRT_CONFIGS = [  # as TensorRTBackend writes them, for every portability setting
 ] + [(CompileOptions(), {"hardware_compatibility_level": "bogus", "version_compatible": True})]
 
 
+AOTI_CONFIGS = [  # as AOTInductorBackend writes them, plus a manifest without a device
+    (CompileOptions(), {"device": "cpu", "isa_class": level, "cross_built": False})
+    for level in ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")
+] + [(CompileOptions(), {"device": "cuda", "compute_capability": "9.0"}), (CompileOptions(), {})]
+
+
 @cache
 def _node_keys(index: int, population: str) -> tuple[dict[str, str], dict[str, list[str]]]:
-    fp = (CPU_POPULATION if population == "cpu" else GPU_POPULATION)[index]
+    fp = {"cpu": CPU_POPULATION, "gpu": GPU_POPULATION, "aoti": AOTI_POPULATION}[population][index]
     return node_fingerprint_keys(fp), node_compatibility_keys(fp)
 
 
@@ -83,6 +100,12 @@ def test_onnxruntime_compatible_agrees_with_keys() -> None:
 def test_tensorrt_compatible_agrees_with_keys() -> None:
     compatible_pairs, checked = _check_agreement(
         TensorRTBackend(), GPU_POPULATION, "gpu", TRT_CONFIGS)
+    assert 0 < compatible_pairs < checked
+
+
+def test_aotinductor_compatible_agrees_with_keys() -> None:
+    compatible_pairs, checked = _check_agreement(
+        AOTInductorBackend(), AOTI_POPULATION, "aoti", AOTI_CONFIGS)
     assert 0 < compatible_pairs < checked
 
 

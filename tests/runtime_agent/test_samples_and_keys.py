@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from compiler_worker.backends import OnnxRuntimeBackend
+from compiler_worker.backends import AOTInductorBackend, OnnxRuntimeBackend
 from runtime_agent.executors import OnnxRuntimeExecutor, node_fingerprint_keys
 from runtime_agent.fingerprint import detect_fingerprint
 from runtime_agent.samples import INT_HIGH, sample_inputs
@@ -42,7 +42,11 @@ def test_sample_inputs_refuse_what_they_cannot_draw() -> None:
 def test_the_agent_computes_the_keys_the_compiler_builds_for() -> None:
     fingerprint = detect_fingerprint()
     keys = node_fingerprint_keys(fingerprint)
-    assert keys == {"onnxruntime": OnnxRuntimeBackend().fingerprint_key(fingerprint)}
+    assert keys == {name: backend.fingerprint_key(fingerprint)
+                    for name, backend in (("onnxruntime", OnnxRuntimeBackend()),
+                                          ("aotinductor", AOTInductorBackend()))
+                    if backend.supports(fingerprint)}
+    assert "onnxruntime" in keys
     riscv = HardwareFingerprint(cpu=CpuInfo(arch="riscv64"),
                                 runtimes=RuntimeVersions(onnxruntime="1.32.0"))
     assert node_fingerprint_keys(riscv) == {}
