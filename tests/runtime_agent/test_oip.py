@@ -200,7 +200,7 @@ def test_missing_model_or_version_is_404(client) -> None:
                                         "loaded models are ['mlp']"}
     response = client.post("/v2/models/mlp/versions/7/infer", json={"inputs": []})
     assert response.status_code == 404
-    assert re.match(r"model 'mlp' has no version '7'; its one version is '[0-9a-f]{64}'",
+    assert re.match(r"model 'mlp' has no version '7'; its one version is '[0-9a-f]{32}'",
                     response.json()["error"])
     assert "error" in client.get("/v2/nothing").json()
 

@@ -147,7 +147,7 @@ def test_unknown_model_and_route_are_404_with_what_exists(client) -> None:
     assert response.json()["message"] == ("no model named 'resnet' is loaded on this agent; "
                                           "loaded models are ['mlp']")
     assert response.json()["details"]["loaded"] == ["mlp"]
-    response = client.get("/v2/nothing")
+    response = client.get("/v9/nothing")
     assert response.status_code == 404 and "routes are" in response.json()["message"]
     assert client.get("/v1/models/mlp/infer").status_code == 405
 
@@ -164,7 +164,8 @@ def test_models_metrics_and_health(built: Fixtures) -> None:
     [listed] = client.get("/v1/models").json()
     assert listed["name"] == "mlp" and listed["artifact_id"] == model.artifact_id
     assert listed["tier"] == "exact" and listed["backend"] == "onnxruntime"
-    assert listed["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["N", 64]}]
+    assert listed["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["N", 64],
+                                 "value_range": None}]
     stats = listed["stats"]
     assert stats["count"] == 6 and stats["errors"] == 1
     assert 0 < stats["p50_ms"] <= stats["p90_ms"]
