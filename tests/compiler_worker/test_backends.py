@@ -100,7 +100,7 @@ def test_backend_for_gpu_node_prefers_tensorrt() -> None:
 def test_backend_for_explains_every_refusal() -> None:
     with pytest.raises(BackendUnavailable, match="tensorrt: does not support this hardware") as e:
         backend_for(cpu_fp(V4), CompileOptions(backends=["tensorrt"]))
-    assert e.value.details["registered"] == ["tensorrt", "onnxruntime"]
+    assert e.value.details["registered"] == ["tensorrt", "onnxruntime", "aotinductor"]
     with pytest.raises(BackendUnavailable, match="onnxruntime: the onnxruntime CPU backend builds "
                                                  "no fp16 engines"):
         backend_for(cpu_fp(V4), CompileOptions(precision=Precision.FP16))
