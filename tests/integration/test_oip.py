@@ -31,6 +31,8 @@ def agents() -> Iterator[list[AgentProcess]]:
         agent.kill()
 
 
+# tritonclient.http adds Inference-Header-Content-Length to the headers dict it is given (it
+# mutates the caller's dict), so every call gets a fresh copy of the token headers.
 def test_tritonclient_http_and_grpc_against_an_agent(stack, agents, tmp_path):
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
@@ -48,7 +50,7 @@ def test_tritonclient_http_and_grpc_against_an_agent(stack, agents, tmp_path):
     while True:
         assert agent.proc is not None and agent.proc.poll() is None, agent.log.read_text()
         try:
-            if client.is_model_ready("mlp", headers=auth):
+            if client.is_model_ready("mlp", headers=dict(auth)):
                 break
         except (InferenceServerException, ConnectionError, OSError):
             pass
@@ -58,30 +60,30 @@ def test_tritonclient_http_and_grpc_against_an_agent(stack, agents, tmp_path):
 
     # HTTP: list, inspect, infer (binary both ways, then JSON).
     assert client.is_server_live() and client.is_server_ready()
-    [listed] = client.get_model_repository_index(headers=auth)
+    [listed] = client.get_model_repository_index(headers=dict(auth))
     assert listed["name"] == "mlp" and listed["state"] == "READY"
-    metadata = client.get_model_metadata("mlp", headers=auth)
+    metadata = client.get_model_metadata("mlp", headers=dict(auth))
     assert metadata["versions"] == [listed["version"]]
     assert metadata["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 64]}]
     assert metadata["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 16]}]
     x = httpclient.InferInput("x", [5, 64], "FP32")
     x.set_data_from_numpy(X["x"])
-    result = client.infer("mlp", [x], headers=auth)
+    result = client.infer("mlp", [x], headers=dict(auth))
     np.testing.assert_allclose(result.as_numpy("y"), want, rtol=1e-4, atol=1e-5)
     as_json = httpclient.InferInput("x", [5, 64], "FP32")
     as_json.set_data_from_numpy(X["x"], binary_data=False)
-    result = client.infer("mlp", [as_json], headers=auth, model_version=listed["version"],
+    result = client.infer("mlp", [as_json], headers=dict(auth), model_version=listed["version"],
                           outputs=[httpclient.InferRequestedOutput("y", binary_data=False)])
     np.testing.assert_allclose(result.as_numpy("y"), want, rtol=1e-4, atol=1e-5)
     with pytest.raises(InferenceServerException, match="expected datatype FP32"):
         wrong = httpclient.InferInput("x", [1, 64], "FP64")
         wrong.set_data_from_numpy(np.zeros((1, 64), np.float64))
-        client.infer("mlp", [wrong], headers=auth)
+        client.infer("mlp", [wrong], headers=dict(auth))
     with pytest.raises(InferenceServerException, match="KILN_AGENT_SERVE_TOKEN"):
         client.infer("mlp", [x])
     with pytest.raises(InferenceServerException, match="no model named 'resnet'"):
-        client.get_model_metadata("resnet", headers=auth)
-    np.testing.assert_allclose(client.infer("mlp", [x], headers=auth).as_numpy("y"), want,
+        client.get_model_metadata("resnet", headers=dict(auth))
+    np.testing.assert_allclose(client.infer("mlp", [x], headers=dict(auth)).as_numpy("y"), want,
                                rtol=1e-4, atol=1e-5)
 
     # gRPC, on its own port, with the same token.
