@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 from schemas._canonical import canonical_json
 from schemas.fingerprint import HardwareFingerprint
@@ -24,8 +31,16 @@ class TensorSpec(BaseModel):
     dtype: str
     shape: list[int | str]
     #: For an integer input: generated values stay in ``[low, high)`` (indices inside the table
-    #: they gather from, 0/1 masks). Agents draw their health-check inputs from it too.
+    #: they gather from, 0/1 masks). Agents draw their health-check inputs from it too. Left out
+    #: of the serialized form when unset.
     value_range: tuple[int, int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_range(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("value_range") is None:
+            data.pop("value_range", None)
+        return data
 
 
 class BlobRef(BaseModel):
