@@ -405,7 +405,7 @@ def _invalid(origin: str, exc: ValidationError) -> InvalidRequest:
         f"fingerprint file {origin} is not a valid HardwareFingerprint JSON document "
         f"(expected keys os, cpu{{arch, vendor, model, features, cores, memory_bytes}}, "
         f"accelerators[{{kind, name, compute_capability, memory_bytes, sm_count, driver}}], "
-        f"runtimes{{onnxruntime, onnx, tensorrt, cuda, kiln}}): {exc}",
+        f"runtimes{{<runtime name>: <version>}}): {exc}",
         path=origin,
     )
 
