@@ -171,30 +171,14 @@ def verify(
     only ``atol`` applies). ``reference`` names what produced the reference outputs. Never
     raises on a numeric mismatch: the result says.
     """
-    atol, rtol = options.tolerance.atol, options.tolerance.rtol
-    stats: dict[str, _OutputStats] = {}
+    got: list[Mapping[str, Any]] = []
+    expected: list[Mapping[str, Any]] = []
     for sample in range(options.verify_samples):
         feed = random_inputs(specs, options, seed=options.seed + sample, ranges=ranges)
-        expected = reference_run(feed)
-        got = engine_run(feed)
-        for name, ref in expected.items():
-            entry = stats.setdefault(name, _OutputStats())
-            if name not in got:
-                entry.flags["missing"] = 1.0
-                continue
-            entry.add(got[name], ref, atol, rtol)
-    if not stats:
-        raise CompileError("the reference produced no outputs to verify against")
-    result = VerificationResult(
-        passed=all(s.passed for s in stats.values()),
-        samples=options.verify_samples,
-        max_abs_error=max(s.max_abs_error for s in stats.values()),
-        max_rel_error=max(s.max_rel_error for s in stats.values()),
-        atol=atol,
-        rtol=rtol,
-        reference=reference,
-        per_output={name: s.as_dict() for name, s in stats.items()},
-    )
+        expected.append(reference_run(feed))
+        got.append(engine_run(feed))
+    result = verification_result(got, expected, options, reference=reference)
+    atol, rtol = result.atol, result.rtol
     logger.info(
         "verification %s: max abs %.3g, max rel %.3g (atol %g, rtol %g, %d samples)",
         "passed" if result.passed else "FAILED", result.max_abs_error, result.max_rel_error,
