@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from artifact_store.digest import sha256_file
 from artifact_store.signing import Signer, Verifier
-from schemas.errors import IntegrityError, InvalidRequest, NotFound
+from schemas.errors import IntegrityError, InvalidRequest, KilnError, NotFound
 from schemas.manifest import ArtifactManifest, BlobRef
 
 logger = logging.getLogger(__name__)
@@ -313,6 +313,16 @@ class ArtifactStore(ABC):
         """Raise (``StoreError``, ``ConfigError``) unless the store answers: one cheap read
         of a key that need not exist (a HEAD on S3). Readiness probes call it."""
         self._size(f"{MANIFEST_PREFIX}/readyz/{MANIFEST_NAME}")
+
+    def missing_parts(self, artifact_id: str) -> list[str]:
+        """What of a published artifact the store no longer holds: its manifest (with why it
+        cannot be read), or the names of blobs that are gone (a HEAD or a stat each). Empty
+        when the artifact is whole; a cache hit on anything else is no hit."""
+        try:
+            manifest = self.read_manifest(artifact_id)
+        except KilnError as exc:
+            return [f"manifest ({exc.message})"]
+        return [ref.name for ref in manifest.blobs if not self.has_blob(ref)]
 
     def has_manifest(self, artifact_id: str) -> bool:
         """True when the artifact has a published manifest."""

@@ -139,11 +139,7 @@ class JobRunner:
 
     def _blobs_present(self, artifact_id: str) -> bool:
         """Whether the cached artifact's manifest and blobs are still in the store."""
-        try:
-            manifest = self.store.read_manifest(artifact_id)
-            missing = [ref.name for ref in manifest.blobs if not self.store.has_blob(ref)]
-        except KilnError as exc:
-            missing = [f"manifest ({exc.message})"]
+        missing = self.store.missing_parts(artifact_id)
         if missing:
             logger.warning("artifact %s is recorded but the store lacks %s; rebuilding",
                            artifact_id, missing)

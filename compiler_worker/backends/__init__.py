@@ -23,7 +23,6 @@ __all__ = [
     "TensorRTBackend",
     "available",
     "backend_for",
-    "backend_for_key",
     "get",
     "names",
     "register",
@@ -103,12 +102,6 @@ def backend_for(fingerprint: HardwareFingerprint, options: CompileOptions,
         reasons=reasons,
         registered=names(),
     )
-
-
-def backend_for_key(fingerprint: HardwareFingerprint, options: CompileOptions,
-                    key: str) -> Backend:
-    """``backend_for`` restricted to the backend whose key on ``fingerprint`` is ``key``."""
-    return backend_for(fingerprint, options, key)
 
 
 register(OnnxRuntimeBackend.name, OnnxRuntimeBackend())

@@ -94,37 +94,18 @@ ENGINE_DATA_BLOB = "engine.onnx.data"
 _INT8 = (Precision.AUTO, Precision.INT8)
 
 
-def installed_version() -> str | None:
-    """The onnxruntime version installed here (package metadata; nothing is imported)."""
-    return OnnxRuntimeExecutor.probe_version()
-
-
 def _model_bytes_on_disk(model_path: Path) -> int:
-    """The model file plus every external-data file beside it that it names."""
+    """The model file plus every external-data file beside it that it names (the graph is
+    read without its data)."""
     import onnx
 
-    total = model_path.stat().st_size
+    from schemas.onnx_model import external_refs
+
     model = onnx.load(str(model_path), load_external_data=False)
-    locations = {
-        entry.value
-        for tensor in _initializers(model.graph)
-        for entry in tensor.external_data if entry.key == "location"
-    }
-    for location in locations:
-        path = model_path.parent / location
-        if path.is_file():
-            total += path.stat().st_size
-    return total
-
-
-def _initializers(graph):
-    yield from graph.initializer
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.g is not None and attribute.g.ByteSize():
-                yield from _initializers(attribute.g)
-            for subgraph in attribute.graphs:
-                yield from _initializers(subgraph)
+    locations = {ref.path for ref in external_refs(model)}
+    return model_path.stat().st_size + sum(
+        (model_path.parent / location).stat().st_size for location in locations
+        if (model_path.parent / location).is_file())
 
 
 class OnnxRuntimeBackend(Backend):
@@ -136,7 +117,7 @@ class OnnxRuntimeBackend(Backend):
     device = "cpu"
 
     def toolchain(self) -> str:
-        version = installed_version()
+        version = self.executor.probe_version()
         if version is None:
             raise BackendUnavailable("onnxruntime is not installed on this worker")
         return toolchain_string(self.name, version)
@@ -225,19 +206,21 @@ class OnnxRuntimeBackend(Backend):
             )
         config = dict(candidate.config)
         level = int(config["optimization_level"])  # type: ignore[call-overload]
+        # Read once: an int8 model is smaller than its source, so the source's answer holds.
+        external = _model_bytes_on_disk(model_path) > EXTERNAL_DATA_THRESHOLD
         quantize = config.get("quantize")
         if quantize is not None:
             if custom_ops is not None:
                 raise CompileError(f"{candidate.name}: models with custom ops are not quantized")
             model_path = _quantize(model_path, workdir, str(quantize), calibration,
-                                   reduce_range=bool(config.get("reduce_range")))
+                                   reduce_range=bool(config.get("reduce_range")),
+                                   external=external)
         engine_path = workdir / "engine.onnx"
         session_options = ort.SessionOptions()
         session_options.graph_optimization_level = getattr(
             ort.GraphOptimizationLevel, LEVEL_NAMES[level]
         )
         session_options.optimized_model_filepath = str(engine_path)
-        external = _model_bytes_on_disk(model_path) > EXTERNAL_DATA_THRESHOLD
         if external:
             session_options.add_session_config_entry(
                 "session.optimized_model_external_initializers_file_name", ENGINE_DATA_BLOB)
@@ -297,7 +280,8 @@ class _Feeds:
 
 
 def _quantize(model_path: Path, workdir: Path, scheme: str,
-              calibration: list[Mapping[str, np.ndarray]], *, reduce_range: bool) -> Path:
+              calibration: list[Mapping[str, np.ndarray]], *, reduce_range: bool,
+              external: bool) -> Path:
     """The int8 model of ``scheme`` (``dynamic`` or ``static-qdq``), written in ``workdir``."""
     from onnxruntime.quantization import (
         QuantFormat,
@@ -309,7 +293,6 @@ def _quantize(model_path: Path, workdir: Path, scheme: str,
 
     source = model_path
     preprocessed = workdir / "preprocessed.onnx"
-    external = _model_bytes_on_disk(model_path) > EXTERNAL_DATA_THRESHOLD
     try:  # onnxruntime's recommended pre-processing: shape inference and basic fusions
         quant_pre_process(str(model_path), str(preprocessed), skip_symbolic_shape=True,
                           save_as_external_data=external)

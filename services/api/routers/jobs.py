@@ -8,7 +8,6 @@ from fastapi import APIRouter, status
 
 from artifact_store import ArtifactStore
 from schemas import CompileJob, CompileJobCreate, JobStatus
-from schemas.errors import KilnError
 from schemas.jobs import CompileJobBatch
 from services.api.deps import (
     AdminPrincipal,
@@ -70,11 +69,7 @@ def create_compile_jobs(
 def _blobs_present(store: ArtifactStore, artifact_id: str) -> bool:
     """Whether a cached artifact's manifest and blobs are still in the store (a HEAD or a
     stat each): a hit on a lost blob is no hit, and a build is queued instead."""
-    try:
-        manifest = store.read_manifest(artifact_id)
-        missing = [ref.name for ref in manifest.blobs if not store.has_blob(ref)]
-    except KilnError as exc:
-        missing = [f"manifest ({exc.message})"]
+    missing = store.missing_parts(artifact_id)
     if missing:
         logger.warning("artifact %s is recorded but the store lacks %s; queueing a rebuild",
                        artifact_id, missing)
