@@ -395,14 +395,11 @@ def _compile(
     if model_ops:
         submitted = fill_attribute_defaults(submitted, used.registry)
     passes = default_pipeline(disabled, custom_ops=used.registry)
-    expected_plan = plan_build(model_sha256, options, fingerprint, key=backend.fingerprint_key(
-        fingerprint), disabled_passes=disabled, plugins=used.refs)
-    if plan is not None and plan != expected_plan:
-        raise CompileError(
-            f"the job's build plan ({plan.backend.name}, {plan.fingerprint_key}, "
-            f"{plan.toolchain}) is not this compile's ({expected_plan.fingerprint_key}, "
-            f"{expected_plan.toolchain}); is the worker's toolchain installation consistent?")
-    plan = expected_plan
+    if plan is None:  # in-process use; a job hands its plan in (computed once, by the runner)
+        plan = plan_build(model_sha256, options, fingerprint, key=backend.fingerprint_key(
+            fingerprint), disabled_passes=disabled, plugins=used.refs)
+    # A plan whose toolchain (plugin digests included) is not what gets built is refused when
+    # the first candidate's manifest is made (``manifest_for``).
     logger.info("compiling model %s with %s for %s (artifact %s)", model_sha256[:12],
                 plan.backend.name, plan.fingerprint_key, plan.artifact_id)
 
