@@ -32,9 +32,14 @@ bench: install
 	$(BIN)/python bench/retune.py
 	$(BIN)/python bench/custom_ops.py
 	$(BIN)/python bench/worker_loss.py
+	$(BIN)/python bench/faults.py
+	$(BIN)/python bench/front_door.py
+	$(BIN)/python bench/sandbox.py
+	$(BIN)/python bench/store_verify.py
+	$(BIN)/python bench/ui.py
 
 compose-check:
-	KILN_SECRET_KEY=placeholder POSTGRES_PASSWORD=x MINIO_ROOT_USER=x MINIO_ROOT_PASSWORD=placeholder KILN_AGENT_TOKEN=x KILN_AGENT_SERVE_TOKEN=x \
+	KILN_SECRET_KEY=placeholder POSTGRES_PASSWORD=x MINIO_ROOT_USER=x MINIO_ROOT_PASSWORD=placeholder KILN_AGENT_TOKEN=x KILN_AGENT_SERVE_TOKEN=x KILN_WORKER_TOKEN=x \
 	  docker-compose -f docker-compose.yml config --quiet
 
 clean:

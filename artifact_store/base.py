@@ -22,11 +22,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from artifact_store.digest import sha256_file
-from artifact_store.signing import Signer, Verifier
-from schemas.errors import IntegrityError, InvalidRequest, KilnError, NotFound
+from artifact_store.signing import Signer, Verifier, manifest_from_bytes, resign
+from schemas.errors import IntegrityError, InvalidRequest, NotFound
 from schemas.manifest import ArtifactManifest, BlobRef
 
 logger = logging.getLogger(__name__)
@@ -240,15 +238,18 @@ class ArtifactStore(ABC):
 
     # -- manifests ------------------------------------------------------------------------
 
-    def publish_manifest(self, manifest: ArtifactManifest, signer: Signer) -> ArtifactManifest:
+    def publish_manifest(self, manifest: ArtifactManifest, signer: Signer, *,
+                         replace: bool = False) -> ArtifactManifest:
         """Sign ``manifest`` and store it, after checking that all its blobs are stored.
 
-        The manifest is written last, so a reader never sees a manifest without its blobs.
-        Idempotent: when the artifact already has a manifest, that stored manifest is
-        returned unchanged (first writer wins). Two writers racing on the same id may both
-        write; each writes a complete, signed manifest whose blobs are present.
+        What is stored is a signed envelope of the manifest's canonical bytes; readers verify
+        those bytes before parsing them. The manifest is written last, so a reader never sees
+        a manifest without its blobs. Idempotent: when the artifact already has a manifest,
+        that stored manifest is returned unchanged (first writer wins), unless ``replace`` (a
+        forced rebuild). Two writers racing on the same id may both write; each writes a
+        complete, signed manifest whose blobs are present.
         """
-        if self.has_manifest(manifest.artifact_id):
+        if not replace and self.has_manifest(manifest.artifact_id):
             logger.info("artifact %s already published in %s", manifest.artifact_id, self.uri)
             return self.read_manifest(manifest.artifact_id)
         missing = []
@@ -265,49 +266,61 @@ class ArtifactStore(ABC):
                 artifact_id=manifest.artifact_id,
                 missing=missing,
             )
-        signed = signer.sign(manifest)
-        self.put_bytes(
-            self.manifest_key(manifest.artifact_id), signed.model_dump_json(indent=2).encode()
-        )
+        unsigned = manifest.model_copy(update={"signature": None})
+        self.put_bytes(self.manifest_key(manifest.artifact_id), signer.sign_manifest(unsigned))
         logger.info(
             "published artifact %s to %s (key id %s)",
             manifest.artifact_id,
             self.uri,
             signer.key_id,
         )
-        return signed
+        return unsigned
 
-    def read_manifest(self, artifact_id: str, verifier: Verifier | None = None) -> ArtifactManifest:
-        """Load an artifact's manifest; with a ``verifier``, check its signature too.
-
-        ``NotFound`` when absent, ``IntegrityError`` when the stored JSON is not a valid
-        manifest for that id, ``SignatureInvalid`` when the verifier rejects it.
-        """
-        key = self.manifest_key(artifact_id)
+    def manifest_bytes(self, artifact_id: str) -> bytes:
+        """The stored manifest of an artifact, byte for byte (what its signature covers);
+        ``NotFound`` when absent."""
         try:
-            data = self.get_bytes(key)
+            return self.get_bytes(self.manifest_key(artifact_id))
         except NotFound as exc:
             raise NotFound(
                 f"no manifest for artifact {artifact_id!r} in {self.uri}",
                 artifact_id=artifact_id,
             ) from exc
-        try:
-            manifest = ArtifactManifest.model_validate_json(data)
-        except ValidationError as exc:
-            raise IntegrityError(
-                f"the stored manifest of artifact {artifact_id!r} in {self.uri} is not a "
-                f"valid manifest: {exc}",
-                artifact_id=artifact_id,
-            ) from exc
+
+    def read_manifest(self, artifact_id: str, verifier: Verifier | None = None) -> ArtifactManifest:
+        """Load an artifact's manifest; with a ``verifier``, check its signature over the
+        stored bytes first.
+
+        ``NotFound`` when absent, ``IntegrityError`` when the stored bytes are not a valid
+        manifest for that id, ``SignatureInvalid`` when the verifier rejects it,
+        ``SchemaUnsupported`` for a manifest of a newer major schema version.
+        """
+        data = self.manifest_bytes(artifact_id)
+        where = f"the stored manifest of artifact {artifact_id!r} in {self.uri}"
+        if verifier is not None:
+            return verifier.verify_manifest(data, artifact_id=artifact_id)
+        manifest = manifest_from_bytes(data, what=where)
         if manifest.artifact_id != artifact_id:
             raise IntegrityError(
                 f"the manifest stored for artifact {artifact_id!r} in {self.uri} describes "
                 f"artifact {manifest.artifact_id!r}",
                 artifact_id=artifact_id,
             )
-        if verifier is not None:
-            verifier.verify(manifest)
         return manifest
+
+    def resign_manifests(self, signers: list[Signer]) -> list[str]:
+        """Re-sign every stored manifest with ``signers`` (their signatures replace the old
+        ones; during an online-key rotation: the old key and the new one, so readers on
+        either root version accept it). The payload bytes stay as they are; a first-form
+        manifest becomes an envelope. Returns the artifact ids re-signed."""
+        done = []
+        for artifact_id in list(self.list_manifests()):
+            data = self.manifest_bytes(artifact_id)
+            self.put_bytes(self.manifest_key(artifact_id), resign(data, signers))
+            done.append(artifact_id)
+        logger.info("re-signed %d manifests in %s with key ids %s", len(done), self.uri,
+                    [s.key_id for s in signers])
+        return done
 
     def ping(self) -> None:
         """Raise (``StoreError``, ``ConfigError``) unless the store answers: one cheap read
@@ -317,12 +330,63 @@ class ArtifactStore(ABC):
     def missing_parts(self, artifact_id: str) -> list[str]:
         """What of a published artifact the store no longer holds: its manifest (with why it
         cannot be read), or the names of blobs that are gone (a HEAD or a stat each). Empty
-        when the artifact is whole; a cache hit on anything else is no hit."""
+        when the artifact is whole; a cache hit on anything else is no hit. A store that does
+        not answer raises ``StoreError``: an outage is not a loss."""
         try:
             manifest = self.read_manifest(artifact_id)
-        except KilnError as exc:
+        except (NotFound, IntegrityError) as exc:
             return [f"manifest ({exc.message})"]
         return [ref.name for ref in manifest.blobs if not self.has_blob(ref)]
+
+    def delete_manifest(self, artifact_id: str) -> None:
+        """Remove an artifact's manifest (a broken or deleted artifact): a manifest whose
+        blobs are gone must not stay readable. No error when there is none."""
+        self._delete(self.manifest_key(artifact_id))
+
+    def delete_blob(self, sha256: str) -> None:
+        """Remove a blob; no error when it is already gone. The caller checks that nothing
+        references it."""
+        self._delete(self.blob_key(sha256))
+
+    def list_blobs(self) -> Iterator[str]:
+        """The sha256 of every stored blob, in lexicographic order (other keys are skipped)."""
+        for key in self._list(f"{BLOB_PREFIX}/"):
+            name = key.rsplit("/", 1)[-1]
+            if _SHA256.match(name) and key == self.blob_key(name):
+                yield name
+
+    def check_blob(self, ref: BlobRef) -> str | None:
+        """Re-hash a stored blob: ``None`` when its size and sha256 are what ``ref`` says,
+        else what is wrong (``missing``, or ``corrupt: ...``)."""
+        key = self.blob_key(ref.sha256)
+        stored = self._size(key)
+        if stored is None:
+            return "missing"
+        digest = hashlib.sha256()
+        size = 0
+        for chunk in self._get_range(key, 0, None):
+            digest.update(chunk)
+            size += len(chunk)
+        if size != ref.size or digest.hexdigest() != ref.sha256:
+            return (f"corrupt: {size} bytes with sha256 {digest.hexdigest()}, expected "
+                    f"{ref.size} bytes")
+        return None
+
+    def check_writable(self) -> None:
+        """Put, read back and delete a probe object; raise (``StoreError``, ``ConfigError``)
+        naming what failed. ``kiln store init`` runs it."""
+        key = f"{MANIFEST_PREFIX}/write-probe/{MANIFEST_NAME}"
+        payload = os.urandom(16).hex().encode()
+        self.put_bytes(key, payload)
+        try:
+            if self.get_bytes(key) != payload:
+                raise IntegrityError(f"the probe object written to {self.uri} read back "
+                                     f"different bytes")
+        finally:
+            self._delete(key)
+        if self._size(key) is not None:
+            raise IntegrityError(f"the probe object in {self.uri} is still there after "
+                                 f"its deletion")
 
     def has_manifest(self, artifact_id: str) -> bool:
         """True when the artifact has a published manifest."""

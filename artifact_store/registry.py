@@ -39,11 +39,14 @@ def get(scheme: str) -> StoreFactory:
 
 
 def open_store(
-    uri: str, *, s3_endpoint_url: str | None = None, s3_region: str = "us-east-1"
+    uri: str, *, s3_endpoint_url: str | None = None, s3_region: str = "us-east-1",
+    s3_public_endpoint_url: str | None = None, create: bool = False,
 ) -> ArtifactStore:
-    """Open the store at ``uri``: ``file:///abs/dir`` or ``s3://bucket/prefix``."""
+    """Open the store at ``uri``: ``file:///abs/dir`` or ``s3://bucket/prefix``. With
+    ``create`` a missing bucket is created (a local folder always is)."""
     parsed = urlsplit(uri)
-    return get(parsed.scheme)(parsed, s3_endpoint_url=s3_endpoint_url, s3_region=s3_region)
+    return get(parsed.scheme)(parsed, s3_endpoint_url=s3_endpoint_url, s3_region=s3_region,
+                              s3_public_endpoint_url=s3_public_endpoint_url, create=create)
 
 
 def _open_local(parsed: SplitResult, **_options: object) -> ArtifactStore:
@@ -57,14 +60,16 @@ def _open_local(parsed: SplitResult, **_options: object) -> ArtifactStore:
 
 
 def _open_s3(
-    parsed: SplitResult, *, s3_endpoint_url: str | None, s3_region: str, **_options: object
+    parsed: SplitResult, *, s3_endpoint_url: str | None, s3_region: str,
+    s3_public_endpoint_url: str | None = None, create: bool = False, **_options: object
 ) -> ArtifactStore:
     from artifact_store.s3 import S3Store
 
     if not parsed.netloc:
         raise ConfigError(f"expected s3://<bucket>/<prefix>; got {parsed.geturl()!r}")
     return S3Store(
-        parsed.netloc, unquote(parsed.path), endpoint_url=s3_endpoint_url, region=s3_region
+        parsed.netloc, unquote(parsed.path), endpoint_url=s3_endpoint_url, region=s3_region,
+        public_endpoint_url=s3_public_endpoint_url, create=create,
     )
 
 

@@ -36,6 +36,8 @@ class S3Store(ArtifactStore):
         *,
         endpoint_url: str | None = None,
         region: str = "us-east-1",
+        public_endpoint_url: str | None = None,
+        create: bool = False,
     ) -> None:
         try:
             import boto3
@@ -51,17 +53,23 @@ class S3Store(ArtifactStore):
         self.prefix = check_key(prefix.strip("/")) if prefix.strip("/") else ""
         self.uri = f"s3://{bucket}/{self.prefix}"
         self._exc = botocore.exceptions
-        self._client = boto3.client(
-            "s3",
-            endpoint_url=endpoint_url,
-            region_name=region,
-            config=Config(
-                connect_timeout=10,
-                read_timeout=60,
-                retries={"max_attempts": 3, "mode": "standard"},
-            ),
+        config = Config(
+            connect_timeout=10,
+            read_timeout=60,
+            retries={"max_attempts": 3, "mode": "standard"},
         )
+        self._client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region,
+                                    config=config)
         self.endpoint_url = self._client.meta.endpoint_url
+        self.region = region
+        # Presigned URLs go to agents, which may reach the server under another name than the
+        # control plane does (compose's http://minio:9000 is not resolvable outside it): they
+        # are signed for the public endpoint, whose host is part of what the signature covers.
+        self._presigner = self._client if not public_endpoint_url else boto3.client(
+            "s3", endpoint_url=public_endpoint_url, region_name=region, config=config)
+        self.public_endpoint_url = self._presigner.meta.endpoint_url
+        if create:
+            self._create_bucket()
         self._check_bucket()
 
     def _full(self, key: str) -> str:
@@ -79,7 +87,8 @@ class S3Store(ArtifactStore):
             if code in _ABSENT:
                 raise NotFound(f"no object {key!r} in {self.uri}", key=key) from exc
             if code == "NoSuchBucket":
-                raise ConfigError(f"S3 {where} does not exist ({what} failed)") from exc
+                raise ConfigError(f"S3 {where} does not exist ({what} failed); `kiln store "
+                                  f"init` creates it") from exc
             raise StoreError(f"S3 {what} failed on {where}: {exc}") from exc
         except self._exc.NoCredentialsError as exc:
             raise ConfigError(
@@ -96,8 +105,24 @@ class S3Store(ArtifactStore):
         except NotFound as exc:  # HEAD has no error body: a bare 404 means "no such bucket"
             raise ConfigError(
                 f"S3 bucket {self.bucket!r} does not exist at {self.endpoint_url}; create it "
-                f"or fix the store URI {self.uri}"
+                f"(`kiln store init` does, and checks write access) or fix the store URI "
+                f"{self.uri}"
             ) from exc
+
+    def _create_bucket(self) -> None:
+        """Create the bucket unless it exists (``kiln store init``)."""
+        try:
+            with self._errors("checking the bucket"):
+                self._client.head_bucket(Bucket=self.bucket)
+            return
+        except NotFound:
+            pass
+        args: dict[str, Any] = {"Bucket": self.bucket}
+        if self.region != "us-east-1":  # S3 refuses the default region named explicitly
+            args["CreateBucketConfiguration"] = {"LocationConstraint": self.region}
+        with self._errors("creating the bucket"):
+            self._client.create_bucket(**args)
+        logger.info("created S3 bucket %r at %s", self.bucket, self.endpoint_url)
 
     def _put_file(self, key: str, src: Path) -> None:
         from boto3.exceptions import S3UploadFailedError
@@ -144,7 +169,7 @@ class S3Store(ArtifactStore):
 
     def _presigned_url(self, key: str, ttl_s: int) -> str | None:
         with self._errors("presign", key):
-            return self._client.generate_presigned_url(
+            return self._presigner.generate_presigned_url(
                 "get_object",
                 Params={"Bucket": self.bucket, "Key": self._full(key)},
                 ExpiresIn=ttl_s,

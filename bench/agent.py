@@ -150,7 +150,7 @@ def _wait(probe, timeout_s: float):
 
 def deploy() -> None:
     table = Table(title="deployment created → first served inference, local agent "
-                        "(heartbeat 0.5 s; 3 deployments each, median \\[min–max])")
+                        "(long-poll held, heartbeat 0.5 s; 3 deployments each, median \\[min–max])")
     for col in ("engine", "time"):
         table.add_column(col)
     x = {"x": np.random.default_rng(0).normal(size=(4, 64)).astype(np.float32)}
@@ -165,7 +165,7 @@ def deploy() -> None:
         try:
             stack.start()
             client = stack.client()
-            keys = _wait(lambda: client.live_fingerprint_keys() or None, 90)
+            keys = _wait(lambda: client.live_fingerprint_keys("onnx") or None, 90)
             on_demand, prebuilt_label = "built on demand (deploy queues it)", "already built"
             results: dict[str, list[float]] = {on_demand: [], prebuilt_label: []}
             with httpx.Client(timeout=30) as http:

@@ -11,9 +11,19 @@ the machine (other load, thermal state) hits every engine alike. Engines:
 - ``ort int8 dynamic``: ``quantize_dynamic`` by hand (its defaults);
 - ``ort int8 static QDQ``: ``quantize_static`` in QDQ format with per-channel weights,
   calibrated on the samples by a ``CalibrationDataReader``;
+- ``torch.compile``: the same module under ``torch.compile`` (Inductor, default mode); its
+  cold compile time (the first call) is its prepare time;
 - ``kiln fp32`` / ``kiln auto``: ``compile_model`` with ``tune="auto"`` and that precision
   policy, given the samples (the dataset the tuner verifies, gates and calibrates on), loaded
-  from its artifact directory with ``runtime_agent.executors.load_executor``.
+  from its artifact directory with ``runtime_agent.executors.load_executor``;
+- ``kiln aotinductor``: the module exported with ``torch.export`` (``.pt2``) and compiled by
+  ``compile_model`` for the AOTInductor backend (candidates ``default`` and ``freezing``,
+  verified against the eager program on the same samples), loaded the same way. Its prepare
+  time is the cold build (every candidate, verification, benchmark).
+
+Below each table: the faster of the two verified Kiln fp32 engines (onnxruntime from the ONNX
+export, AOTInductor from the torch.export program). Kiln's tuner chooses among one backend's
+candidates per fingerprint key; this line is the cross-backend choice measured here.
 
 Every engine's accuracy is measured against fp32 onnxruntime with optimizations off (the
 reference Kiln verifies against) on the same samples: top-1 agreement for classifiers (64
@@ -27,6 +37,7 @@ engine uses the configuration its tuner chose).
     .venv/bin/python bench/engines.py                     # all models, full size
     .venv/bin/python bench/engines.py --quick             # small configs: a smoke run
     .venv/bin/python bench/engines.py --models resnet50-b1,bert-base --rounds 10 --iters 20
+    .venv/bin/python bench/engines.py --models resnet50-b1,bert-base --fp32-only  # no int8
 """
 
 from __future__ import annotations
@@ -109,6 +120,8 @@ def _load(spec: dict[str, Any]) -> tuple[Any, str]:
             kwargs["seq"] = spec["seq"]
         architecture = build(spec["architecture"], **kwargs)
         module = architecture.module
+        if spec.get("compile"):
+            module = torch.compile(module)
 
         def run(feed: dict[str, np.ndarray]) -> np.ndarray:
             with torch.inference_mode():
@@ -143,6 +156,10 @@ def _load(spec: dict[str, Any]) -> tuple[Any, str]:
         config = manifest.runtime_config
         described = f"intra-op {config['intra_op_num_threads']}" \
             if config.get("intra_op_num_threads") else "ort default"
+        if manifest.backend == "aotinductor":
+            import torch
+
+            described = f"torch {torch.get_num_threads()}"
 
         def run(feed: dict[str, np.ndarray]) -> np.ndarray:
             return np.asarray(executor.run(feed)[first])
@@ -165,8 +182,9 @@ def _worker(conn: Any, spec: dict[str, Any]) -> None:
         try:
             if command == "feed":
                 feed = args[0]
-                run(feed)  # warm up: first-call allocations, lazy initialization
-                conn.send(("ok", None))
+                started = time.perf_counter()
+                run(feed)  # warm up: first-call allocations, lazy initialization, compiling
+                conn.send(("ok", time.perf_counter() - started))
             elif command == "outputs":
                 conn.send(("ok", [run(f) for f in args[0]]))
             elif command == "time":
@@ -322,6 +340,41 @@ def _kiln(blob: Path, precision: str, workdir: Path, samples: dict[str, np.ndarr
                   manifest.precision, build_s, note)
 
 
+def _kiln_aoti(architecture: Any, workdir: Path, samples: dict[str, np.ndarray],
+               dataset_id: str) -> Engine:
+    """Kiln's AOTInductor engine: the module exported with torch.export, then compiled."""
+    name = "kiln aotinductor"
+    try:
+        import torch
+
+        from compiler_worker.pipeline import compile_model, write_artifact_dir
+        from runtime_agent.fingerprint import detect_fingerprint
+        from schemas.options import CompileOptions
+
+        workdir.mkdir(parents=True, exist_ok=True)
+        program = torch.export.export(architecture.module, architecture.torch_inputs())
+        path = workdir / "model.pt2"
+        torch.export.save(program, str(path))
+        options = CompileOptions(backends=["aotinductor"], tune="auto", tuning_budget_s=240,
+                                 samples=dataset_id)
+        started = time.perf_counter()
+        result = compile_model(path.read_bytes(), options, fingerprint=detect_fingerprint(),
+                               workdir=workdir / "work", samples=samples)
+        build_s = time.perf_counter() - started
+        artifact = write_artifact_dir(result, workdir / "artifact")
+    except Exception as exc:  # reported in the table, never fatal
+        logger.warning("kiln aotinductor build failed: %s", exc)
+        return Engine(name, "kiln", None, "n/a", error=f"{type(exc).__name__}: {exc}"[:300])
+    table = result.manifest.tuning
+    note = "torch.export → AOTInductor"
+    if table is not None:
+        note += (f": won {table.winner} of {len(table.candidates)} candidates, tuning "
+                 f"{table.elapsed_s:.1f} s; max abs err vs eager "
+                 f"{result.manifest.verification.max_abs_error:.2g}")
+    return Engine(name, "kiln", {"kind": "kiln", "artifact_dir": str(artifact)}, "fp32",
+                  build_s, note)
+
+
 # --------------------------------------------------------------------------- measurement
 
 def _accuracy(kind: str, outputs: list[np.ndarray], reference: list[np.ndarray]) -> str:
@@ -356,20 +409,25 @@ def run_case(label: str, case: Case, args: argparse.Namespace, work: Path) -> No
                                   "threads": args.threads}
     if case.architecture in ("bert_base", "distilbert", "gpt2"):
         torch_spec["seq"] = case.seq
-    engines = [Engine("pytorch eager", "fp32 peer", torch_spec)]
+    engines = [Engine("pytorch eager", "fp32 peer", torch_spec),
+               Engine("torch.compile", "fp32 peer", {**torch_spec, "compile": True},
+                      note="Inductor, default mode; prepare = first call (cold compile)")]
     engines += [Engine(f"ort L{level}", "fp32 peer", {"kind": "ort", "path": str(model.path),
                                                       "level": level, "threads": args.threads},
                        note=ORT_LEVELS[level]) for level in ORT_LEVELS]
-    print(f"[{label}] quantizing by hand ...", file=sys.stderr)
-    int8 = _quantize(model.path, case_dir, feeds)
-    for engine in int8:
-        if engine.spec is not None:
-            engine.spec["threads"] = args.threads
-    engines += int8
-    for precision in ("fp32", "auto"):
+    if not args.fp32_only:
+        print(f"[{label}] quantizing by hand ...", file=sys.stderr)
+        int8 = _quantize(model.path, case_dir, feeds)
+        for engine in int8:
+            if engine.spec is not None:
+                engine.spec["threads"] = args.threads
+        engines += int8
+    for precision in ("fp32",) if args.fp32_only else ("fp32", "auto"):
         print(f"[{label}] kiln build, precision {precision} ...", file=sys.stderr)
         engines.append(_kiln(blob, precision, case_dir / f"kiln-{precision}", arrays,
                              dataset_id))
+    print(f"[{label}] kiln build, torch.export → aotinductor ...", file=sys.stderr)
+    engines.append(_kiln_aoti(architecture, case_dir / "kiln-aoti", arrays, dataset_id))
 
     workers: dict[str, Worker] = {}
     try:
@@ -379,7 +437,9 @@ def run_case(label: str, case: Case, args: argparse.Namespace, work: Path) -> No
             try:
                 workers[engine.name] = Worker(engine.spec)
                 engine.threads = workers[engine.name].threads
-                workers[engine.name].ask("feed", architecture.inputs)
+                warmup = workers[engine.name].ask("feed", architecture.inputs)
+                if engine.spec.get("compile"):
+                    engine.prepare_s = warmup
             except RuntimeError as exc:
                 engine.error = str(exc).splitlines()[0]
                 workers.pop(engine.name, None)
@@ -425,6 +485,15 @@ def _print_case(label: str, case: Case, exporter: str, size: str, rule: str,
         print(f"| {e.name} | {e.precision} | {latency} | {_speedup(best_fp32, median)} | "
               f"{_speedup(best_int8, median)} | {e.accuracy} | {_num(e.prepare_s)} | {e.threads} | "
               f"{e.note} |")
+    kiln_fp32 = [e for e in engines if e.name in ("kiln fp32", "kiln aotinductor") and e.times]
+    if kiln_fp32:
+        pick = min(kiln_fp32, key=lambda e: statistics.median(e.times))
+        others = ", ".join(f"{e.name} {statistics.median(e.times) * 1e3:.3f} ms"
+                           for e in kiln_fp32 if e is not pick)
+        print(f"\nFastest verified Kiln fp32 engine: **{pick.name}** "
+              f"({statistics.median(pick.times) * 1e3:.3f} ms median"
+              f"{'; ' + others if others else ''}); spread = min–max of "
+              f"{len(pick.times)} timed calls.")
     sys.stdout.flush()
 
 
@@ -445,6 +514,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=None, help="timed calls per round (20)")
     parser.add_argument("--quick", action="store_true",
                         help="small configs, 2 rounds of 5: a smoke run, not a measurement")
+    parser.add_argument("--fp32-only", action="store_true",
+                        help="skip the int8 peers and Kiln's auto policy (a shorter run)")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads for the peers (default: each runtime's own)")
     parser.add_argument("--cache", type=Path, default=Path(".kiln") / "bench-models",

@@ -53,7 +53,7 @@ def one_run(i: int, tmp: Path) -> tuple[float, float, float]:
         argv = [sys.executable, "-m", "kiln.cli", "agent", "--api", stack.api_url,
                 "--token", stack.token, "--name", "new-variant", "--port", str(agent_port),
                 "--cache-dir", str(tmp / "cache"), "--fingerprint-file", str(fp_file),
-                "--trusted-key", str(stack.home / "signing.key.pub")]
+                "--root-key", str(stack.home / "root.key.pub")]
         agent = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                  env={**os.environ, "KILN_AGENT_HEARTBEAT_S": "0.5"})
         while True:

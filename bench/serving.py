@@ -1,13 +1,41 @@
-"""Serving overhead over the Open Inference Protocol, beside the bare peer, in one run.
+"""Serving overhead in-process and over the Open Inference Protocol, beside the bare peer, in one
+run.
 
-One engine (an MLP 1024→1024→1024, ``kiln.examples.mlp``, batch 1, compiled by Kiln's
-pipeline in this process) measured five ways: a bare onnxruntime session on the engine file,
-``kiln.runtime.load().run()``, and through an agent inference server (REST and gRPC, in a
-child process, as a deployment runs it) with unmodified tritonclient: HTTP with JSON tensors,
-HTTP with the binary-tensor extension, and gRPC. Median [min–max] per request; ratios and
-differences against the bare session's median.
+Engines, compiled by Kiln's pipeline in this process (``compile_model``):
 
-    .venv/bin/python bench/serving.py [--requests 300]
+- an MLP 1024→1024→1024 (``kiln.examples.mlp``), batch 1;
+- ResNet-50 (``kiln.architectures.resnet50``: transformers' model with random weights, exported
+  by ``torch.onnx.export`` with its defaults, as ``bench/engines.py`` builds it), batch 1,
+  ``tune="off"`` (the backend's default configuration) to keep the build short.
+
+Latency tables (median \\[min–max] per call; ratio and added time against the peer named in the
+row, measured in the same run):
+
+- the bare onnxruntime session on the engine file, with the engine's own session settings
+  (``runtime_config``: optimization level, thread counts, execution mode) — the same thread
+  settings as Kiln's session;
+- ``kiln.runtime.load().run()`` (host inputs: the session's native run, outputs from
+  onnxruntime's allocator), and with ``out=`` (the caller's buffers, bound through an
+  IOBinding); both against the bare session;
+- ``kiln.torch.load()`` eager and inside ``torch.compile(fullgraph=True)``, on torch tensors,
+  against ``kiln.runtime``;
+- MLP only: an agent inference server (REST and gRPC, in a child process, as a deployment runs
+  it) through unmodified tritonclient: HTTP JSON, HTTP binary, gRPC, against ``kiln.runtime``.
+
+The in-process paths run in alternating blocks (``--block`` calls each, the order reversed every
+round) rather than call by call: onnxruntime's intra-op threads spin for a while after each run,
+and with several sessions in one process a session called right after another competes with the
+other's spinning threads — calling two sessions in strict alternation measures that contention,
+not the code path (on a 2-core machine it doubled the bare session's time). The first calls of
+each block are not timed for the same reason.
+
+Throughput (ResNet-50): 8 concurrent clients for ``--seconds`` each, in-process (8 threads on one
+``kiln.runtime`` engine) and against the agent's gRPC and HTTP-binary servers (8 tritonclient
+clients, one per thread); the engine has the same thread settings in both processes and the
+client process only waits on sockets. Requests per second and their ratio to in-process.
+
+    .venv/bin/python bench/serving.py [--rounds 8 --block 100 --seconds 10 --cache DIR]
+    .venv/bin/python bench/serving.py --mlp-only
 
 (tritonclient's gRPC messages and the server's share protobuf names, so the server runs in
 its own process: ``bench/serving.py --serve DIR HTTP_PORT GRPC_PORT``.)
@@ -16,20 +44,24 @@ its own process: ``bench/serving.py --serve DIR HTTP_PORT GRPC_PORT``.)
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from _common import console, fmt, free_port, timed
+from _common import console, fmt, free_port
 from rich.table import Table
 
 from kiln.examples import mlp
 from schemas import CompileOptions
 
 WIDTH = 1024
+CLIENTS = 8
 
 
 def serve(artifact: str, http_port: int, grpc_port: int) -> None:
@@ -40,11 +72,11 @@ def serve(artifact: str, http_port: int, grpc_port: int) -> None:
     from runtime_agent.serving import ModelTable, ServedModel
 
     models = ModelTable()
-    models.put(ServedModel("mlp", load_artifact(Path(artifact))))
+    models.put(ServedModel("m", load_artifact(Path(artifact))))
     app = create_app(models)
     http = ServerThread(app, "127.0.0.1", http_port)
     http.start()
-    grpc = GrpcServer(models, app.state.metrics, "127.0.0.1", grpc_port, workers=4)
+    grpc = GrpcServer(models, app.state.metrics, "127.0.0.1", grpc_port, workers=CLIENTS)
     grpc.start()
     print("ready", flush=True)
     sys.stdin.read()
@@ -52,73 +84,294 @@ def serve(artifact: str, http_port: int, grpc_port: int) -> None:
     http.stop()
 
 
-def main(requests: int) -> None:
-    import onnxruntime as ort
-    import tritonclient.grpc as grpcclient
-    import tritonclient.http as httpclient
+class Server:
+    """``serve()`` in a child process, and tritonclient calls against it."""
 
-    from compiler_worker.pipeline import compile_model, write_artifact_dir
-    from kiln import runtime
-    from runtime_agent.fingerprint import detect_fingerprint
+    def __init__(self, artifact: Path, inputs: dict[str, np.ndarray], output: str) -> None:
+        self.http_port, self.grpc_port = free_port(), free_port()
+        self.inputs, self.output = inputs, output
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", str(artifact), str(self.http_port),
+             str(self.grpc_port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
 
-    feed = {"x": np.random.default_rng(0).normal(size=(1, WIDTH)).astype(np.float32)}
-    model = mlp(in_features=WIDTH, hidden=WIDTH, out_features=WIDTH).SerializeToString()
-    with tempfile.TemporaryDirectory() as tmp:
-        result = compile_model(model, CompileOptions(benchmark_iterations=5),
-                               fingerprint=detect_fingerprint(), workdir=Path(tmp) / "w")
-        artifact = write_artifact_dir(result, Path(tmp) / "mlp")
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        session = ort.InferenceSession(str(next(artifact.glob("engine*"))), options,
-                                       providers=["CPUExecutionProvider"])
-        loaded = runtime.load(artifact)
-        http_port, grpc_port = free_port(), free_port()
-        server = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(artifact), str(http_port),
-             str(grpc_port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def http_call(self, binary: bool) -> Callable[[], np.ndarray]:
+        import tritonclient.http as httpclient
+
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{self.http_port}")
+
+        def call() -> np.ndarray:
+            tensors = []
+            for name, value in self.inputs.items():
+                tensor = httpclient.InferInput(name, list(value.shape), "FP32")
+                tensor.set_data_from_numpy(value, binary_data=binary)
+                tensors.append(tensor)
+            out = httpclient.InferRequestedOutput(self.output, binary_data=binary)
+            return client.infer("m", tensors, outputs=[out]).as_numpy(self.output)
+        return call
+
+    def grpc_call(self) -> Callable[[], np.ndarray]:
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{self.grpc_port}")
+
+        def call() -> np.ndarray:
+            tensors = []
+            for name, value in self.inputs.items():
+                tensor = grpcclient.InferInput(name, list(value.shape), "FP32")
+                tensor.set_data_from_numpy(value)
+                tensors.append(tensor)
+            return client.infer("m", tensors).as_numpy(self.output)
+        return call
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def blocks(paths: dict[str, Callable[[], object]], rounds: int, block: int,
+           skip: int = 5) -> dict[str, list[float]]:
+    """Seconds per call of each path, in alternating blocks (see the module's docstring)."""
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    order = list(paths)
+    for round_ in range(rounds):
+        for name in order if round_ % 2 == 0 else order[::-1]:
+            fn = paths[name]
+            for _ in range(skip):
+                fn()
+            for _ in range(block):
+                started = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - started)
+    return samples
+
+
+def throughput(make_call: Callable[[], Callable[[], object]], seconds: float) -> float:
+    """Requests per second of ``CLIENTS`` threads, each calling its own ``make_call()`` (made
+    in its thread: tritonclient's HTTP client belongs to the thread that made it)."""
+    counts = [0] * CLIENTS
+    stop = threading.Event()
+    start = threading.Barrier(CLIENTS + 1)
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
         try:
-            assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-            http = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}")
-            grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+            call = make_call()
+            call()
+        except BaseException as exc:
+            errors.append(exc)
+            start.abort()
+            raise
+        start.wait()
+        while not stop.is_set():
+            call()
+            counts[i] += 1
 
-            def http_call(binary: bool) -> None:
-                tensor = httpclient.InferInput("x", [1, WIDTH], "FP32")
-                tensor.set_data_from_numpy(feed["x"], binary_data=binary)
-                out = httpclient.InferRequestedOutput("y", binary_data=binary)
-                http.infer("mlp", [tensor], outputs=[out]).as_numpy("y")
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    began = time.perf_counter()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return sum(counts) / (time.perf_counter() - began)
 
-            def grpc_call() -> None:
-                tensor = grpcclient.InferInput("x", [1, WIDTH], "FP32")
-                tensor.set_data_from_numpy(feed["x"])
-                grpc.infer("mlp", [tensor]).as_numpy("y")
 
-            want = session.run(None, feed)[0]
-            tensor = grpcclient.InferInput("x", [1, WIDTH], "FP32")
-            tensor.set_data_from_numpy(feed["x"])
-            np.testing.assert_allclose(grpc.infer("mlp", [tensor]).as_numpy("y"), want,
-                                       rtol=1e-5, atol=1e-5)
-            paths = {
-                "bare onnxruntime session": lambda: session.run(None, feed),
-                "kiln.runtime.load().run()": lambda: loaded.run(feed),
-                "HTTP JSON (tritonclient)": lambda: http_call(False),
-                "HTTP binary (tritonclient)": lambda: http_call(True),
-                "gRPC (tritonclient)": grpc_call,
-            }
-            samples = {name: timed(fn, requests, warmup=20) for name, fn in paths.items()}
-        finally:
-            if server.stdin:
-                server.stdin.close()
-            server.wait(30)
-    base = float(np.median(samples["bare onnxruntime session"]))
-    table = Table(title=f"MLP {WIDTH}→{WIDTH}→{WIDTH}, batch 1: {requests} requests per path, "
-                        "median \\[min–max]; ratio and added time against the bare session")
-    for col in ("path", "latency", "ratio", "added (median)"):
+def bare_session(artifact: Path) -> object:
+    """An onnxruntime session on the engine file with the engine's own session settings."""
+    import onnxruntime as ort
+
+    from runtime_agent.artifact_dir import read_manifest
+    from runtime_agent.executors.onnxruntime import session_options
+
+    config = read_manifest(artifact).runtime_config
+    return ort.InferenceSession(str(next(artifact.glob("engine*"))), session_options(config),
+                                providers=list(config.get("providers",
+                                                          ["CPUExecutionProvider"])))
+
+
+def in_process_paths(artifact: Path, feed: dict[str, np.ndarray], output: str,
+                     ) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
+    """The in-process paths on one engine, and the peer each row is compared with."""
+    import torch
+
+    import kiln.torch
+    from kiln import runtime
+
+    session = bare_session(artifact)
+    loaded = runtime.load(artifact)
+    want = session.run(None, feed)[0]
+    np.testing.assert_allclose(loaded.run(feed)[output], want, rtol=1e-5, atol=1e-5)
+    out = {output: np.empty_like(want)}
+    module = kiln.torch.load(artifact)
+    tensors = [torch.from_numpy(value) for value in feed.values()]
+    compiled = torch.compile(lambda *xs: module(*xs), fullgraph=True)
+    with torch.inference_mode():
+        np.testing.assert_allclose(compiled(*tensors).numpy(), want, rtol=1e-5, atol=1e-5)
+
+    def in_inference_mode(fn: Callable[..., object]) -> Callable[[], object]:
+        def call() -> object:
+            with torch.inference_mode():
+                return fn(*tensors)
+        return call
+
+    paths = {
+        "bare onnxruntime session": lambda: session.run(None, feed),
+        "kiln.runtime run()": lambda: loaded.run(feed),
+        "kiln.runtime run(out=) (IOBinding)": lambda: loaded.run(feed, out=out),
+        "kiln.torch module, eager": in_inference_mode(module),
+        "kiln.torch in torch.compile(fullgraph)": in_inference_mode(compiled),
+    }
+    peers = {"kiln.runtime run()": "bare onnxruntime session",
+             "kiln.runtime run(out=) (IOBinding)": "bare onnxruntime session",
+             "kiln.torch module, eager": "kiln.runtime run()",
+             "kiln.torch in torch.compile(fullgraph)": "kiln.runtime run()"}
+    return paths, peers
+
+
+def compile_floor(x: np.ndarray) -> dict[str, Callable[[], object]]:
+    """``x + 1`` eager and under ``torch.compile(fullgraph=True)``, in inference mode: what
+    torch.compile costs per call whatever the graph calls."""
+    import torch
+
+    tensor = torch.from_numpy(x)
+    compiled = torch.compile(lambda t: t + 1, fullgraph=True)
+
+    def under(fn: Callable[..., object]) -> Callable[[], object]:
+        def call() -> object:
+            with torch.inference_mode():
+                return fn(tensor)
+        return call
+
+    under(compiled)()
+    return {"eager x + 1": under(lambda t: t + 1), "torch.compile(x + 1)": under(compiled)}
+
+
+def latency_table(title: str, samples: dict[str, list[float]], peers: dict[str, str],
+                  unit: float, suffix: str) -> None:
+    table = Table(title=title)
+    for col in ("path", "latency", "compared with", "ratio", "added (median)"):
         table.add_column(col)
     for name, values in samples.items():
-        median = float(np.median(values))
-        table.add_row(name, fmt(values, 1e6, "µs", 1), f"{median / base:.2f}×",
-                      f"{(median - base) * 1e6:+.1f} µs")
+        median = statistics.median(values)
+        peer = peers.get(name)
+        if peer is None:
+            table.add_row(name, fmt(values, unit, suffix, 1), "—", "", "")
+            continue
+        base = statistics.median(samples[peer])
+        table.add_row(name, fmt(values, unit, suffix, 1), peer, f"{median / base:.3f}×",
+                      f"{(median - base) * unit:+.1f} {suffix}")
     console.print(table)
+
+
+def compile_dir(model: bytes, options: CompileOptions, out: Path) -> Path:
+    from compiler_worker.pipeline import compile_model, write_artifact_dir
+    from runtime_agent.fingerprint import detect_fingerprint
+
+    result = compile_model(model, options, fingerprint=detect_fingerprint(),
+                           workdir=out.with_name(out.name + "-work"))
+    return write_artifact_dir(result, out)
+
+
+def main(args: argparse.Namespace) -> None:
+    from kiln.architectures import exported
+    from kiln.model_files import model_blob
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        # ---------------------------------------------------------------- MLP
+        feed = {"x": np.random.default_rng(0).normal(size=(1, WIDTH)).astype(np.float32)}
+        model = mlp(in_features=WIDTH, hidden=WIDTH, out_features=WIDTH).SerializeToString()
+        artifact = compile_dir(model, CompileOptions(benchmark_iterations=5), work / "mlp")
+        paths, peers = in_process_paths(artifact, feed, "y")
+        server = Server(artifact, feed, "y")
+        try:
+            remote = {"HTTP JSON (tritonclient)": server.http_call(False),
+                      "HTTP binary (tritonclient)": server.http_call(True),
+                      "gRPC (tritonclient)": server.grpc_call()}
+            np.testing.assert_allclose(remote["gRPC (tritonclient)"](), paths[
+                "bare onnxruntime session"]()[0], rtol=1e-5, atol=1e-5)
+            samples = blocks(paths, args.rounds, args.block)
+            samples.update(blocks(remote, max(2, args.rounds // 2), args.block // 2))
+        finally:
+            server.close()
+        peers.update({name: "kiln.runtime run()" for name in remote})
+        latency_table(f"MLP {WIDTH}→{WIDTH}→{WIDTH}, batch 1: {args.rounds} blocks of "
+                      f"{args.block} calls per in-process path, median \\[min–max]",
+                      samples, peers, 1e6, "µs")
+
+        # ------------------------------------------- per-call overhead on a tiny engine
+        # On the 1024-wide MLP each call spends ~200 µs in onnxruntime and its spinning
+        # intra-op threads, whose interference with the caller moves medians by tens of µs
+        # between paths. An 8-wide engine leaves the per-call cost of each layer visible, and
+        # torch.compile's own per-call cost on ``x + 1`` (its guards and wrapper, paid by any
+        # compiled function) is measured beside it.
+        tiny = compile_dir(mlp(in_features=8, hidden=8, out_features=8).SerializeToString(),
+                           CompileOptions(benchmark_iterations=5), work / "tiny")
+        tiny_feed = {"x": feed["x"][:, :8].copy()}
+        tiny_paths, tiny_peers = in_process_paths(tiny, tiny_feed, "y")
+        tiny_paths.update(compile_floor(tiny_feed["x"]))
+        tiny_peers["torch.compile(x + 1)"] = "eager x + 1"
+        latency_table(f"per-call overhead, MLP 8→8→8, batch 1: {args.rounds} blocks of "
+                      f"{args.block * 5} calls, median \\[min–max]",
+                      blocks(tiny_paths, args.rounds, args.block * 5), tiny_peers, 1e6, "µs")
+
+        # ---------------------------------------------------------------- ResNet-50
+        if args.mlp_only:
+            return
+        started = time.perf_counter()
+        resnet = exported("resnet50", args.cache or work / "exports")
+        blob = model_blob(resnet.path, work / "resnet-blob").read_bytes()
+        artifact = compile_dir(blob, CompileOptions(tune="off", benchmark_iterations=3),
+                               work / "resnet50")
+        console.print(f"ResNet-50 exported and compiled in {time.perf_counter() - started:.0f} s")
+        image = dict(resnet.architecture.inputs)
+        output = _first_output(artifact)
+        paths, peers = in_process_paths(artifact, image, output)
+        server = Server(artifact, image, output)
+        try:
+            remote = {"HTTP binary (tritonclient)": server.http_call(True),
+                      "gRPC (tritonclient)": server.grpc_call()}
+            per_block = max(3, args.block // 20)
+            samples = blocks({**paths, **remote}, args.rounds, per_block, skip=2)
+            peers.update({name: "kiln.runtime run()" for name in remote})
+            latency_table(f"ResNet-50, batch 1 (224×224): {args.rounds} blocks of {per_block} "
+                          f"calls per path, median \\[min–max]", samples, peers, 1e3, "ms")
+            loaded = paths_engine(artifact)
+            rates = {
+                "in-process (kiln.runtime, 8 threads)": throughput(
+                    lambda: lambda: loaded.run(image), args.seconds),
+                "gRPC (tritonclient, 8 clients)": throughput(server.grpc_call, args.seconds),
+                "HTTP binary (tritonclient, 8 clients)": throughput(
+                    lambda: server.http_call(True), args.seconds),
+            }
+        finally:
+            server.close()
+        base = rates["in-process (kiln.runtime, 8 threads)"]
+        table = Table(title=f"ResNet-50, batch 1: {CLIENTS} concurrent clients for "
+                            f"{args.seconds:g} s each")
+        for col in ("path", "requests/s", "of in-process"):
+            table.add_column(col)
+        for name, rate in rates.items():
+            table.add_row(name, f"{rate:.2f}", f"{rate / base:.1%}")
+        console.print(table)
+
+
+def paths_engine(artifact: Path) -> object:
+    from kiln import runtime
+
+    return runtime.load(artifact)
+
+
+def _first_output(artifact: Path) -> str:
+    from runtime_agent.artifact_dir import read_manifest
+
+    return read_manifest(artifact).outputs[0].name
 
 
 if __name__ == "__main__":
@@ -126,7 +379,12 @@ if __name__ == "__main__":
         serve(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
         sys.exit(0)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=300)
-    started = time.perf_counter()
-    main(parser.parse_args().requests)
-    console.print(f"total {time.perf_counter() - started:.0f} s")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--block", type=int, default=100)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--mlp-only", action="store_true", help="the MLP table only")
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="where ResNet-50's export is kept between runs")
+    began = time.perf_counter()
+    main(parser.parse_args())
+    console.print(f"total {time.perf_counter() - began:.0f} s")

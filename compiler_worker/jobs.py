@@ -1,27 +1,41 @@
 """Running one compile job: the glue between the SQL job row, the pipeline and the store.
 
-Plain code, no Celery: the task only calls ``JobRunner.run(job_id)``. Idempotent: a job
-already finished is left alone; a build whose artifact already exists is a cache hit; two
-deliveries of the same task record one artifact.
+Plain code, no Celery: the task only calls ``JobRunner.run(job_id)``. The worker signs
+nothing: it uploads a build's blobs through the API and asks the control plane to complete
+the job (``compiler_worker.control``), which re-hashes them, signs and records. Idempotent:
+a job already finished is left alone; a second delivery of a job a live worker runs builds
+nothing; a build whose artifact already exists is a cache hit; two deliveries of the same
+task record one artifact.
+
+A job builds in its own work directory, ``<workdir>/job-<id>``. Once the build is done its
+result is written there (``result.json``) and kept until the artifact is published and
+recorded: a publish that fails on an unreachable store or database is retried with backoff
+for ``KILN_PUBLISH_RETRY_BUDGET_S``, and a redelivery of the job to this machine resumes the
+publish without building again (no new attempt is counted).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import shutil
-import tempfile
+import time
+from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
 
-import numpy as np
+from celery.exceptions import SoftTimeLimitExceeded
 
-from artifact_store import ArtifactStore, Signer, load_signer, open_store
+from artifact_store import ArtifactStore, open_store
 from compiler_worker.config import WorkerSettings
-from compiler_worker.pipeline import CompileResult, compile_model, plan_build
+from compiler_worker.control import BuildClient
+from compiler_worker.pipeline import CompileResult, plan_build
+from compiler_worker.sandbox import Sandbox, limits_from
 from runtime_agent.fingerprint import resolve_fingerprint
 from schemas import BlobRef, HardwareFingerprint, JobStage
 from schemas._canonical import sha256_hex
-from schemas.datasets import load_npz
+from schemas.builds import BuildPublished
 from schemas.errors import (
     BackendUnavailable,
     ErrorBody,
@@ -33,12 +47,59 @@ from schemas.errors import (
     NotFound,
     UnknownOperator,
 )
-from schemas.onnx_model import custom_ops, load_model_bytes
+from schemas.manifest import ArtifactManifest
 from schemas.options import CompileOptions
 from schemas.plugins import PluginRef
 from services.db import make_engine, make_session_factory, repo, session_scope
+from services.db.tables import utcnow
+from services.integrity import usable_artifact
 
 logger = logging.getLogger(__name__)
+
+#: A finished build's manifest and blob paths, kept in the job's work directory until the
+#: artifact is published and recorded.
+RESULT_FILE = "result.json"
+#: Longest pause between two publish attempts, seconds.
+PUBLISH_BACKOFF_MAX_S = 30.0
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Failures another try may fix: the database, the store or the broker unreachable.
+    Deterministic failures (a bad model, failed verification) are not."""
+    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+    if isinstance(exc, KilnError):
+        return exc.transient
+    if isinstance(exc, OperationalError | InterfaceError | PoolTimeout | ConnectionError):
+        return True
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    try:
+        import botocore.exceptions as boto
+    except ImportError:
+        return False
+    return isinstance(exc, boto.EndpointConnectionError | boto.ConnectionClosedError
+                      | boto.ReadTimeoutError | boto.ConnectTimeoutError)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class PublishAbandoned(KilnError):
+    """The publish budget is spent; the job has been failed already."""
+
+    code = ErrorCode.STORE_ERROR
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id}: publish abandoned", job_id=job_id)
 
 
 class JobRunner:
@@ -46,6 +107,8 @@ class JobRunner:
         self.settings = settings
         self.engine = make_engine(settings.database_url)
         self.sessions = make_session_factory(self.engine)
+        #: Parsing, plugin code and building run in bounded children, never in this process.
+        self.sandbox = Sandbox(limits_from(settings), secrets=[settings.signing_key_path])
 
     @cached_property
     def store(self) -> ArtifactStore:
@@ -53,100 +116,212 @@ class JobRunner:
         return open_store(s.store_uri, s3_endpoint_url=s.s3_endpoint_url, s3_region=s.s3_region)
 
     @cached_property
-    def signer(self) -> Signer:
-        return load_signer(self.settings.signing_key_path)
+    def builds(self) -> BuildClient:
+        """The control plane's build routes: where this worker publishes what it built."""
+        s = self.settings
+        return BuildClient(s.worker_api_url, s.worker_token)
 
     @cached_property
     def fingerprint(self) -> HardwareFingerprint:
         return resolve_fingerprint(self.settings.fingerprint_file)
 
-    def run(self, job_id: str) -> None:
-        with session_scope(self.sessions) as session:
-            job = repo.start_job(session, job_id=job_id, worker=self.settings.worker_name)
-        if job is None:
-            logger.info("job %s is already finished; nothing to do", job_id)
-            return
-        logger.info("job %s: attempt %d on %s", job_id, job.attempts, job.fingerprint_key)
-        try:
-            self._run(job.id, job.model_id, job.options, job.fingerprint_key)
-        except KilnError as exc:
-            if exc.transient:
-                raise  # the task retries; the row stays 'running'
-            self.fail(job_id, exc.to_body())
-        except Exception as exc:
-            logger.exception("job %s crashed", job_id)
-            self.fail(job_id, ErrorBody(
-                code=ErrorCode.INTERNAL,
-                message=f"the compile crashed: {type(exc).__name__}: {exc}",
-            ))
+    def job_dir(self, job_id: str) -> Path:
+        """The job's work directory: deterministic, so a redelivery finds kept outputs."""
+        return self.settings.workdir / f"job-{job_id}"
 
-    def _run(self, job_id: str, model_id: str, options: CompileOptions,
-             fingerprint_key: str) -> None:
+    def run(self, job_id: str, *, redelivered: bool = False) -> None:
+        """Claim the job and build it, or resume publishing a build kept from an earlier
+        delivery. A transient failure (database, store or broker away) is raised for the
+        task to retry while attempts remain; anything else fails the job with its reason."""
+        workdir = self.job_dir(job_id)
+        resume = (workdir / RESULT_FILE).is_file()
+        s = self.settings
         with session_scope(self.sessions) as session:
-            blob_key = repo.get_model_blob_key(session, model_id=model_id)
-        self.settings.workdir.mkdir(parents=True, exist_ok=True)
-        workdir = Path(tempfile.mkdtemp(prefix=f"job-{job_id[:12]}-", dir=self.settings.workdir))
+            options = repo.get_job(session, job_id=job_id).options
+            _, hard = s.job_time_limits(options.tuning_budget_s)
+            job = repo.start_job(
+                session, job_id=job_id, worker=s.worker_name, instance=s.instance,
+                pid=os.getpid(), max_attempts=s.max_job_attempts, count_attempt=not resume,
+                deadline=utcnow() + timedelta(seconds=hard + s.job_kill_grace_s),
+                redelivered=redelivered, pid_alive=_pid_alive)
+            current = repo.get_job(session, job_id=job_id)
+        if job is None:
+            if current.status.terminal:  # finished, or failed over the attempt limit
+                shutil.rmtree(workdir, ignore_errors=True)
+                logger.info("job %s is %s; nothing to do", job_id, current.status.value)
+            else:
+                logger.info("job %s runs on %s; this delivery builds nothing", job_id,
+                            current.worker)
+            return
+        logger.info("job %s: attempt %d on %s%s", job_id, job.attempts, job.fingerprint_key,
+                    " (resuming the publish of a kept build)" if resume else "")
         try:
-            self._stage(job_id, JobStage.LOADING, 0.02)
-            model_bytes = self.store.get_bytes(blob_key)
-            plugins = self._plugins(model_bytes, workdir)
-            try:
-                plan = plan_build(model_id, options, self.fingerprint, key=fingerprint_key,
-                                  plugins=[ref for ref, _ in plugins])
-            except BackendUnavailable as exc:
-                raise FingerprintMismatch(
-                    f"job {job_id} targets {fingerprint_key!r}, which this worker does not "
-                    f"build ({exc.message}); it was routed to the wrong queue",
-                    expected=fingerprint_key,
-                ) from exc
-            with session_scope(self.sessions) as session:
-                cached = repo.find_artifact(
-                    session, model_id=model_id, options_digest=options.digest(),
-                    fingerprint_key=plan.fingerprint_key, toolchain=plan.toolchain,
-                )
-                if cached is not None and self._blobs_present(cached.id):
-                    repo.succeed_job(session, job_id=job_id, artifact_id=cached.id,
-                                     cache_hit=True)
-                    logger.info("job %s: cache hit, artifact %s", job_id, cached.id)
-                    return
-                reuse = repo.find_tuning(
-                    session, model_id=model_id, options_digest=options.digest(),
-                    fingerprint_key=plan.fingerprint_key, toolchain=plan.toolchain,
-                )
-            samples = self._dataset(options.samples)
-            calibration = self._dataset(options.calibration)
-            result = compile_model(
-                model_bytes, options, fingerprint=self.fingerprint, workdir=workdir,
-                on_stage=lambda stage, progress: self._stage(job_id, stage, progress),
-                plugins=plugins, plan=plan, samples=samples, calibration=calibration,
-                reuse=reuse,
-            )
-            self._stage(job_id, JobStage.PUBLISHING, 0.95)
-            manifest = self._publish(result)
-        finally:
+            self._run(job.id, job.model_id, job.options, job.fingerprint_key, workdir, resume,
+                      force=job.force)
+        except SoftTimeLimitExceeded:
+            stage = self._current_stage(job_id)
+            soft, _ = s.job_time_limits(job.options.tuning_budget_s)
+            self.fail(job_id, ErrorBody(
+                code=ErrorCode.TIMED_OUT,
+                message=f"job {job_id} ran past its time limit of {soft:g} s (tuning budget "
+                        f"{job.options.tuning_budget_s:g} s + KILN_JOB_TIME_MARGIN_S + "
+                        f"KILN_PUBLISH_RETRY_BUDGET_S) at stage {stage}",
+                details={"stage": stage, "limit_s": soft}))
+            shutil.rmtree(workdir, ignore_errors=True)
+        except Exception as exc:
+            if is_transient(exc):
+                if job.attempts < s.max_job_attempts:
+                    raise  # the task retries; kept outputs stay for the publish
+                self.fail(job_id, ErrorBody(
+                    code=getattr(exc, "code", ErrorCode.STORE_ERROR),
+                    message=f"gave up after {job.attempts} attempts (KILN_MAX_JOB_ATTEMPTS); "
+                            f"the last failed with: {type(exc).__name__}: {exc}"))
+            elif isinstance(exc, KilnError):
+                self.fail(job_id, exc.to_body())
+            else:
+                logger.exception("job %s crashed", job_id)
+                self.fail(job_id, ErrorBody(
+                    code=ErrorCode.INTERNAL,
+                    message=f"the compile crashed: {type(exc).__name__}: {exc}",
+                ))
             shutil.rmtree(workdir, ignore_errors=True)
 
-        with session_scope(self.sessions) as session:
-            artifact, created = repo.record_artifact(session, model_id=model_id, manifest=manifest)
-            if manifest.tuning is not None:
-                repo.record_tuning(
-                    session, model_id=model_id, options_digest=options.digest(),
-                    fingerprint_key=plan.fingerprint_key, toolchain=plan.toolchain,
-                    table=manifest.tuning)
-            repo.succeed_job(session, job_id=job_id, artifact_id=artifact.id)
-        logger.info("job %s: artifact %s %s", job_id, artifact.id,
+    def release(self, job_id: str) -> None:
+        """Give the job back to the queue before its task is retried (best effort: with the
+        database away, the retry takes the job over as a redelivery)."""
+        try:
+            with session_scope(self.sessions) as session:
+                repo.release_job(session, job_id=job_id, instance=self.settings.instance)
+        except Exception as exc:
+            logger.warning("job %s: could not release it before the retry: %s", job_id, exc)
+
+    def _current_stage(self, job_id: str) -> str:
+        try:
+            with session_scope(self.sessions) as session:
+                return repo.get_job(session, job_id=job_id).stage.value
+        except Exception:
+            return "unknown"
+
+    def _run(self, job_id: str, model_id: str, options: CompileOptions,
+             fingerprint_key: str, workdir: Path, resume: bool, *, force: bool = False) -> None:
+        if resume:
+            result = self._load_result(workdir)
+        else:
+            result = self._build(job_id, model_id, options, fingerprint_key, workdir,
+                                 force=force)
+            if result is None:  # a cache hit
+                shutil.rmtree(workdir, ignore_errors=True)
+                return
+        self._stage(job_id, JobStage.PUBLISHING, 0.95)
+        artifact_id, created = self._publish_within_budget(job_id, model_id, options, result,
+                                                           replace=force)
+        shutil.rmtree(workdir, ignore_errors=True)
+        logger.info("job %s: artifact %s %s", job_id, artifact_id,
                     "recorded" if created else "already recorded")
 
-    def _blobs_present(self, artifact_id: str) -> bool:
-        """Whether the cached artifact's manifest and blobs are still in the store."""
-        missing = self.store.missing_parts(artifact_id)
-        if missing:
-            logger.warning("artifact %s is recorded but the store lacks %s; rebuilding",
-                           artifact_id, missing)
-        return not missing
+    def _build(self, job_id: str, model_id: str, options: CompileOptions,
+               fingerprint_key: str, workdir: Path, *, force: bool = False
+               ) -> CompileResult | None:
+        """Build into ``workdir`` and keep the result there; ``None`` on a cache hit."""
+        with session_scope(self.sessions) as session:
+            blob_key = repo.get_model_blob_key(session, model_id=model_id)
+        shutil.rmtree(workdir, ignore_errors=True)  # a build interrupted before its result
+        workdir.mkdir(parents=True)
+        self._stage(job_id, JobStage.LOADING, 0.02)
+        model_bytes = self.store.get_bytes(blob_key)
+        plugins = self._plugins(model_bytes, workdir)
+        try:
+            plan = plan_build(model_id, options, self.fingerprint, key=fingerprint_key,
+                              plugins=[ref for ref, _ in plugins])
+        except BackendUnavailable as exc:
+            raise FingerprintMismatch(
+                f"job {job_id} targets {fingerprint_key!r}, which this worker does not "
+                f"build ({exc.message}); it was routed to the wrong queue",
+                expected=fingerprint_key,
+            ) from exc
+        with session_scope(self.sessions) as session:
+            cached = repo.find_artifact(
+                session, model_id=model_id, options_digest=options.digest(),
+                fingerprint_key=plan.fingerprint_key, toolchain=plan.toolchain,
+            )
+            if (cached is not None and not force
+                    and usable_artifact(session, self.store, cached.id)):
+                repo.succeed_job(session, job_id=job_id, artifact_id=cached.id,
+                                 cache_hit=True)
+                logger.info("job %s: cache hit, artifact %s", job_id, cached.id)
+                return None
+            reuse = repo.find_tuning(
+                session, model_id=model_id, options_digest=options.digest(),
+                fingerprint_key=plan.fingerprint_key, toolchain=plan.toolchain,
+            )
+        samples = self._dataset(options.samples)
+        calibration = self._dataset(options.calibration)
+        result = self.sandbox.compile_model(
+            model_bytes, options, fingerprint=self.fingerprint, workdir=workdir,
+            on_stage=lambda stage, progress: self._stage(job_id, stage, progress),
+            plugins=plugins, plan=plan, samples=samples, calibration=calibration,
+            reuse=reuse,
+        )
+        self._keep_result(workdir, result)
+        return result
 
-    def _dataset(self, dataset_id: str | None) -> dict[str, np.ndarray] | None:
-        """The arrays of an uploaded dataset, fetched from the store and checked again."""
+    @staticmethod
+    def _keep_result(workdir: Path, result: CompileResult) -> None:
+        """Write the build's manifest and blob paths beside its outputs (atomically)."""
+        body = {"manifest": result.manifest.model_dump(mode="json"),
+                "blobs": {name: str(path.relative_to(workdir))
+                          for name, path in result.blob_paths.items()}}
+        tmp = workdir / (RESULT_FILE + ".tmp")
+        tmp.write_text(json.dumps(body))
+        tmp.replace(workdir / RESULT_FILE)
+
+    @staticmethod
+    def _load_result(workdir: Path) -> CompileResult:
+        body = json.loads((workdir / RESULT_FILE).read_text())
+        return CompileResult(manifest=ArtifactManifest.model_validate(body["manifest"]),
+                             blob_paths={name: workdir / rel
+                                         for name, rel in body["blobs"].items()})
+
+    def _publish_within_budget(self, job_id: str, model_id: str, options: CompileOptions,
+                               result: CompileResult, *, replace: bool = False
+                               ) -> tuple[str, bool]:
+        """Upload the blobs and have the control plane sign the manifest, record the artifact
+        and finish the job; a transient failure (the API, its store or database away, a 5xx)
+        is retried with backoff until ``publish_retry_budget_s`` is spent, then raised (the job
+        fails with it, or its task retries the publish)."""
+        budget = self.settings.publish_retry_budget_s
+        started = time.monotonic()
+        delay = 1.0
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                published = self._publish(job_id, result, replace=replace)
+                if tries > 1:
+                    logger.info("job %s: published after %d tries in %.1f s", job_id, tries,
+                                time.monotonic() - started)
+                return published.artifact_id, published.created
+            except Exception as exc:
+                elapsed = time.monotonic() - started
+                if not is_transient(exc) or elapsed + delay > budget:
+                    if is_transient(exc):
+                        logger.error("job %s: could not publish within %.0f s "
+                                     "(KILN_PUBLISH_RETRY_BUDGET_S): %s", job_id, budget, exc)
+                        self.fail(job_id, ErrorBody(
+                            code=getattr(exc, "code", ErrorCode.STORE_ERROR),
+                            message=f"the build finished but could not be published within "
+                                    f"{budget:g} s (KILN_PUBLISH_RETRY_BUDGET_S, {tries} "
+                                    f"tries): {type(exc).__name__}: {exc}"))
+                        raise PublishAbandoned(job_id) from exc
+                    raise
+                logger.warning("job %s: publish failed (%s); retrying in %.0f s (%.0f of "
+                               "%.0f s spent)", job_id, exc, delay, elapsed, budget)
+                time.sleep(delay)
+                delay = min(delay * 2, PUBLISH_BACKOFF_MAX_S)
+
+    def _dataset(self, dataset_id: str | None) -> bytes | None:
+        """The ``.npz`` bytes of an uploaded dataset, fetched from the store and checked
+        against its id (the build's child parses them)."""
         if dataset_id is None:
             return None
         try:
@@ -159,12 +334,12 @@ class JobRunner:
         if sha256_hex(data) != dataset_id:
             raise IntegrityError(f"dataset {dataset_id} in the store has sha256 "
                                  f"{sha256_hex(data)}", dataset=dataset_id)
-        return load_npz(data, max_bytes=len(data))
+        return data
 
     def _plugins(self, model_bytes: bytes, workdir: Path) -> list[tuple[PluginRef, Path]]:
         """The registered plugins providing the model's custom ops, fetched and verified.
         An op that no plugin declares fails the job here, naming what is registered."""
-        ops = custom_ops(load_model_bytes(model_bytes))
+        ops = self.sandbox.custom_ops(model_bytes, workdir)
         if not ops:
             return []
         with session_scope(self.sessions) as session:
@@ -185,15 +360,14 @@ class JobRunner:
                                       digest=info.digest), path))
         return fetched
 
-    def _publish(self, result: CompileResult):
-        """Blobs first, then the signed manifest: a reader never sees one without the other."""
+    def _publish(self, job_id: str, result: CompileResult, *,
+                 replace: bool = False) -> BuildPublished:
+        """Blobs first, then ``complete``: the control plane re-hashes them, signs the
+        manifest and records the artifact (this process holds no signing key)."""
         refs = {ref.name: ref for ref in result.manifest.blobs}
         for name, path in result.blob_paths.items():
-            stored = self.store.put_blob(path, name=name, media_type=refs[name].media_type)
-            if stored.sha256 != refs[name].sha256:
-                raise KilnError(f"blob {name} changed while it was published",
-                                code=ErrorCode.INTEGRITY_ERROR)
-        return self.store.publish_manifest(result.manifest, self.signer)
+            self.builds.upload_blob(job_id, path, refs[name])
+        return self.builds.complete(job_id, result.manifest, replace=replace)
 
     def _stage(self, job_id: str, stage: JobStage, progress: float) -> None:
         with session_scope(self.sessions) as session:

@@ -27,13 +27,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from artifact_store.digest import sha256_file
+from artifact_store.signing import manifest_from_bytes
 from compiler_worker import backends
 from compiler_worker.backends.base import PIPELINE_VERSION, Backend, BuiltEngine, Candidate
 from compiler_worker.benchmark import benchmark
+from compiler_worker.golden import add_golden
 from compiler_worker.inputs import generated_inputs_source, input_ranges
 from compiler_worker.modelio import load_model, materialize_model, save_model, signature
 from compiler_worker.passes import default_pipeline
@@ -63,8 +66,9 @@ from schemas.fingerprint import HardwareFingerprint
 from schemas.jobs import JobStage
 from schemas.manifest import ArtifactManifest, BenchmarkResult, TensorSpec, VerificationResult
 from schemas.onnx_model import custom_ops
-from schemas.options import CompileOptions
+from schemas.options import CompileOptions, ShapeProfile
 from schemas.plugins import PluginManifest, PluginRef
+from schemas.torch_export import TORCH_EXPORT_FORMAT, model_format
 from schemas.tuning import TuningTable
 
 __all__ = [
@@ -157,6 +161,7 @@ def plan_build(
     key: str | None = None,
     disabled_passes: frozenset[str] = frozenset(),
     plugins: Sequence[PluginRef] = (),
+    model_format: str | None = None,
 ) -> BuildPlan:
     """Backend, fingerprint key, toolchain and artifact id for a compile, without building.
 
@@ -164,9 +169,10 @@ def plan_build(
     is here); without it, the highest-priority backend that supports ``fingerprint``.
     ``plugins``: the plugin bundles providing the model's custom ops (their digests are part of
     the toolchain). A caller looks the artifact id up in its store first: same key, same
-    artifact. Computed once per job and handed to ``compile_model``.
+    artifact. Computed once per job and handed to ``compile_model``. ``model_format``
+    (``onnx``, ``torch-export``): only a backend that takes it.
     """
-    backend = backends.backend_for(fingerprint, options, key)
+    backend = backends.backend_for(fingerprint, options, key, model_format=model_format)
     own_key = backend.fingerprint_key(fingerprint)
     toolchain = _toolchain(backend.toolchain(), frozenset(disabled_passes), plugins)
     return BuildPlan(
@@ -175,6 +181,15 @@ def plan_build(
         toolchain=toolchain,
         artifact_id=artifact_id_for(model_sha256, options.digest(), own_key, toolchain),
     )
+
+
+class _Reference(Protocol):
+    """What verification runs against: onnxruntime on the submitted ONNX model, or a torch
+    program's eager module."""
+
+    name: str
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
 
 class _Stages:
@@ -216,9 +231,12 @@ class _Plugins:
 
 
 def _prepare_plugins(model_ops: set[str], plugins: Sequence[tuple[PluginRef, Path]],
-                     backend: Backend, model_opsets: dict[str, int], workdir: Path) -> _Plugins:
+                     backend: Backend, model_opsets: dict[str, int], workdir: Path, *,
+                     rename: Callable[[str], str] | None = None) -> _Plugins:
     """Unpack and check every bundle, refuse ops nobody declares (before any plugin code is
-    imported), then load the plugins that provide the model's ops for the target."""
+    imported), then load the plugins that provide the model's ops for the target.
+    ``rename``: how the model names a declared op (``torch_op_name`` for a torch program),
+    when not ``domain::OpType``."""
     from artifact_store.bundles import extract_bundle
 
     if not model_ops:
@@ -239,6 +257,10 @@ def _prepare_plugins(model_ops: set[str], plugins: Sequence[tuple[PluginRef, Pat
                 f"bundle {ref.digest[:12]} holds plugin {manifest.name} {manifest.version}, not "
                 f"{ref.name} {ref.version}", digest=ref.digest)
         manifests.append((ref, archive, manifest))
+    if rename is not None:
+        names = {rename(spec.qualified_name): spec.qualified_name
+                 for _, _, manifest in manifests for spec in manifest.ops}
+        model_ops = {names.get(op, op) for op in model_ops}
     provider: dict[str, tuple[PluginRef, Path, PluginManifest]] = {}
     for entry in manifests:
         for spec in entry[2].ops:
@@ -274,7 +296,8 @@ def _prepare_plugins(model_ops: set[str], plugins: Sequence[tuple[PluginRef, Pat
     abi = backend.plugin_abi()
     for ref, archive, manifest in sorted(used.values(), key=lambda e: e[0].name):
         ops = sorted(op for op in model_ops if provider[op][2] is manifest)
-        result.loaded.append(load_bundle(archive, ref, root, target=(backend.name, device),
+        target = (backend.executor.plugin_backend or backend.name, device)
+        result.loaded.append(load_bundle(archive, ref, root, target=target,
                                          abi=abi, ops=ops))
         result.refs.append(ref)
         result.paths[ref.digest] = archive
@@ -384,8 +407,21 @@ def _compile(
 
     stages.enter(JobStage.LOADING)
     model_sha256 = sha256_hex(model_bytes)
+    fmt = model_format(model_bytes)
     # Options no backend here accepts are refused before any work.
-    backend = plan.backend if plan is not None else backends.backend_for(fingerprint, options)
+    backend = plan.backend if plan is not None else backends.backend_for(
+        fingerprint, options, model_format=fmt)
+    if fmt not in backend.model_formats:
+        raise InvalidOptions(
+            f"the model is a {fmt} model; the {backend.name} backend (fingerprint key "
+            f"{backend.fingerprint_key(fingerprint)}) builds {sorted(backend.model_formats)} "
+            f"models; target a key of a backend that takes {fmt}",
+            model_format=fmt, backend=backend.name)
+    if fmt == TORCH_EXPORT_FORMAT:
+        return _compile_program(
+            model_bytes, model_sha256, options, fingerprint=fingerprint, workdir=workdir,
+            stages=stages, backend=backend, disabled=disabled, plugins=plugins, plan=plan,
+            samples=samples, calibration=calibration, reuse=reuse)
     # A model archive (the .onnx and its external data) is unpacked, confined, into workdir.
     submitted = load_model(materialize_model(model_bytes, _fresh_dir(workdir / "model")))
     model_ops = custom_ops(submitted)
@@ -434,6 +470,111 @@ def _compile(
                                  custom_ops=reference_custom_ops(used.loaded, used.ops))
     expected = [reference.run(feed) for feed in feeds]
 
+    return _tune_and_finish(
+        model_sha256, options, fingerprint=fingerprint, workdir=workdir, stages=stages,
+        plan=plan, disabled=disabled, used=used, passes_applied=list(passes.applied),
+        model_path=prepared_path, inputs=inputs, outputs=outputs, feeds=feeds,
+        expected=expected, reference=reference, source=source,
+        calibration_feeds=calibration_feeds, calibration_note=calibration_note, reuse=reuse)
+
+
+def _compile_program(
+    model_bytes: bytes,
+    model_sha256: str,
+    options: CompileOptions,
+    *,
+    fingerprint: HardwareFingerprint,
+    workdir: Path,
+    stages: _Stages,
+    backend: Backend,
+    disabled: frozenset[str],
+    plugins: Sequence[tuple[PluginRef, Path]],
+    plan: BuildPlan | None,
+    samples: Mapping[str, np.ndarray] | None,
+    calibration: Mapping[str, np.ndarray] | None,
+    reuse: TuningTable | None,
+) -> CompileResult:
+    """A ``torch.export`` program: checked and loaded here (never in the API), exported again
+    with the profiles' dynamic axes where asked, verified against its eager module."""
+    from compiler_worker.torch_program import EagerReference, load_program, prepare_program
+    from schemas.plugins import torch_op_name
+    from schemas.torch_export import inspect_export_archive
+
+    submitted_path = _fresh_dir(workdir / "model") / "model.pt2"
+    submitted_path.write_bytes(model_bytes)
+    stages.enter(JobStage.CHECKING)
+    # The program's custom ops are registered as torch ops (kernels and fake implementations
+    # from their plugins) before torch.export.load, which needs them to rebuild the graph.
+    program_ops = set(inspect_export_archive(submitted_path).custom_ops)
+    used = _prepare_plugins(program_ops, plugins, backend, {}, workdir, rename=torch_op_name)
+    if used.adapter is not None:
+        used.adapter.apply(None)
+    loaded = load_program(submitted_path)
+    if plan is None:  # in-process use; a job hands its plan in
+        plan = plan_build(model_sha256, options, fingerprint,
+                          key=backend.fingerprint_key(fingerprint), disabled_passes=disabled,
+                          plugins=used.refs, model_format=TORCH_EXPORT_FORMAT)
+    logger.info("compiling torch program %s with %s for %s (artifact %s)", model_sha256[:12],
+                plan.backend.name, plan.fingerprint_key, plan.artifact_id)
+    stages.enter(JobStage.OPTIMIZING)
+    prepared = prepare_program(loaded, options, workdir / "prepared.pt2")
+    inputs, outputs = prepared.inputs, prepared.outputs
+    applied = ["dynamic_axes_from_profiles"] if prepared.dynamic_axes else []
+    if samples is not None:
+        feeds = dataset_feeds(samples, inputs, what="samples")
+        source = f"dataset:{options.samples}" if options.samples else "dataset"
+    else:
+        # A dynamic axis without a profile is fed at the size the program was exported with.
+        example = (loaded.program.example_inputs or ((), {}))[0]
+        shapes = dict(options.shapes)
+        for spec, arg in zip(inputs, example, strict=False):
+            if spec.name not in shapes and any(not isinstance(d, int) for d in spec.shape):
+                size = [int(d) for d in arg.shape]
+                shapes[spec.name] = ShapeProfile(min=size, opt=size, max=size)
+        feed_options = options.model_copy(update={"shapes": shapes})
+        feeds = [random_inputs(inputs, feed_options, seed=options.seed + i)
+                 for i in range(options.verify_samples)]
+        source = generated_inputs_source(describe_inputs(inputs, {}))
+    calibration_feeds = (dataset_feeds(calibration, inputs, what="calibration", limit=512)
+                         if calibration is not None else [])
+    stages.enter(JobStage.BUILDING)
+    # Re-exported with new dynamic axes: the reference is the re-exported program's module
+    # (the same eager code, traced again), since the submitted graph may fix those sizes.
+    reference = EagerReference(prepared, "the program re-exported with the profiles' dynamic "
+                                         "axes" if prepared.dynamic_axes else
+                                         "the submitted program")
+    expected = [reference.run(feed) for feed in feeds]
+    return _tune_and_finish(
+        model_sha256, options, fingerprint=fingerprint, workdir=workdir, stages=stages,
+        plan=plan, disabled=disabled, used=used, passes_applied=applied,
+        model_path=prepared.path, inputs=inputs, outputs=outputs, feeds=feeds,
+        expected=expected, reference=reference, source=source,
+        calibration_feeds=calibration_feeds, calibration_note="", reuse=reuse)
+
+
+def _tune_and_finish(
+    model_sha256: str,
+    options: CompileOptions,
+    *,
+    fingerprint: HardwareFingerprint,
+    workdir: Path,
+    stages: _Stages,
+    plan: BuildPlan,
+    disabled: frozenset[str],
+    used: _Plugins,
+    passes_applied: list[str],
+    model_path: Path,
+    inputs: list[TensorSpec],
+    outputs: list[TensorSpec],
+    feeds: list[dict[str, np.ndarray]],
+    expected: list[dict[str, np.ndarray]],
+    reference: _Reference,
+    source: str,
+    calibration_feeds: list[dict[str, np.ndarray]],
+    calibration_note: str,
+    reuse: TuningTable | None,
+) -> CompileResult:
+    """Tune the prepared model (ONNX or torch program) and make the unsigned result."""
     def manifest_for(built: BuiltEngine, candidate: Candidate) -> ArtifactManifest:
         toolchain = _toolchain(built.toolchain, disabled, used.refs)
         if toolchain != plan.toolchain:
@@ -458,7 +599,7 @@ def _compile(
             outputs=outputs,
             runtime_config=dict(built.runtime_config),
             plugins=list(used.refs),
-            passes=list(passes.applied),
+            passes=passes_applied,
             inputs_source=source,
             precision=candidate.precision,
             # Placeholders until the tuner fills them in.
@@ -472,7 +613,7 @@ def _compile(
         )
 
     outcome = tune(
-        plan.backend, prepared_path, options, workdir / "tuning", fingerprint=fingerprint,
+        plan.backend, model_path, options, workdir / "tuning", fingerprint=fingerprint,
         toolchain=plan.toolchain, manifest_for=manifest_for, feeds=feeds, expected=expected,
         reference=reference.name, inputs=source, calibration=calibration_feeds,
         calibration_note=calibration_note, custom_ops=used.adapter, plugins=used.loaded,
@@ -486,6 +627,7 @@ def _compile(
             update={"reference_p50_ms": reference_bench.p50_ms}),
         "created_at": datetime.now(UTC),
     })
+    manifest = add_golden(manifest, outcome.artifact_dir, feeds, expected)
     blob_paths = {ref.name: outcome.artifact_dir / blob_filename(ref) for ref in manifest.blobs}
     logger.info("artifact %s ready: %s, p50 %.3f ms (reference %.3f ms)", manifest.artifact_id,
                 outcome.table.winner, manifest.benchmark.p50_ms, reference_bench.p50_ms)
@@ -504,17 +646,22 @@ def _copy_checked(source: Path, destination: Path, sha256: str, size: int | None
 
 
 def write_artifact_dir(
-    result: CompileResult, out_dir: Path, manifest: ArtifactManifest | None = None
+    result: CompileResult, out_dir: Path, manifest: ArtifactManifest | bytes | None = None
 ) -> Path:
     """Write ``manifest.json`` and the blobs (named by ``blob_filename``) to ``out_dir``.
 
-    ``manifest`` defaults to ``result.manifest`` (pass the signed one to write that). Every blob
+    ``manifest`` defaults to ``result.manifest`` (unsigned); pass the signed envelope
+    (``Signer.sign_manifest``) to write those bytes as they are. Every blob
     is checked against the manifest's size and sha256 as it is copied; so is every plugin
     bundle the manifest names, copied to ``plugins/<digest>.tar`` (where ``kiln.runtime.load``
     finds them). The directory appears atomically: it is built in a temporary sibling, then
     renamed. An existing ``out_dir`` is refused (``Conflict``).
     """
     manifest = manifest if manifest is not None else result.manifest
+    if isinstance(manifest, bytes):
+        stored, manifest = manifest, manifest_from_bytes(manifest)
+    else:
+        stored = manifest.model_dump_json(indent=2).encode() + b"\n"
     if manifest.artifact_id != result.manifest.artifact_id:
         raise InvalidRequest(
             f"the manifest is for artifact {manifest.artifact_id}, the result for "
@@ -546,7 +693,7 @@ def write_artifact_dir(
             _copy_checked(source, staging / PLUGINS_DIRNAME / f"{plugin.digest}.tar",
                           plugin.digest, what=f"plugin bundle {source} "
                                               f"({plugin.name} {plugin.version})")
-        (staging / MANIFEST_FILENAME).write_text(manifest.model_dump_json(indent=2) + "\n")
+        (staging / MANIFEST_FILENAME).write_bytes(stored)
         staging.chmod(0o755)
         os.rename(staging, out_dir)
     except BaseException:

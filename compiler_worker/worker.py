@@ -1,11 +1,18 @@
 """Starting a compiler worker: work out this machine's fingerprint keys, consume only their
-queues, and keep a heartbeat row in SQL so the control plane knows which hardware is served."""
+queues, keep a heartbeat row in SQL so the control plane knows which hardware is served, and
+answer ``/healthz`` and ``/readyz`` on ``KILN_WORKER_HEALTH_PORT`` when it is set.
+
+A worker's identity is its name plus an instance id drawn at every start
+(``WorkerSettings.instance``): the heartbeat carries both, and so does every job it claims.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from celery.signals import worker_ready, worker_shutdown
 
@@ -15,6 +22,7 @@ from compiler_worker.config import WorkerSettings, get_worker_settings
 from compiler_worker.jobs import JobRunner
 from schemas import HardwareFingerprint
 from services.db import repo, session_scope
+from services.health import broker_probe, database_probe, readiness
 from services.queue import celery_app, configure_celery, queue_for
 
 logger = logging.getLogger(__name__)
@@ -25,6 +33,15 @@ def fingerprint_keys(fingerprint: HardwareFingerprint) -> list[str]:
     takes a model format the pipeline hands out (``PIPELINE_MODEL_FORMATS``)."""
     return [b.fingerprint_key(fingerprint) for b in available()
             if b.supports(fingerprint) and b.model_formats & PIPELINE_MODEL_FORMATS]
+
+
+def model_formats(fingerprint: HardwareFingerprint) -> dict[str, list[str]]:
+    """Fingerprint key → the model formats the pipeline hands its backend
+    (``WorkerInfo.model_formats``: the control plane refuses a job whose model the key's
+    backend cannot take)."""
+    return {b.fingerprint_key(fingerprint): sorted(b.model_formats & PIPELINE_MODEL_FORMATS)
+            for b in available()
+            if b.supports(fingerprint) and b.model_formats & PIPELINE_MODEL_FORMATS}
 
 
 def portable_keys(fingerprint: HardwareFingerprint) -> dict[str, str]:
@@ -45,6 +62,7 @@ class Heartbeat:
         self.runner = runner
         self.keys = keys
         self.portable = portable_keys(runner.fingerprint)
+        self.formats = model_formats(runner.fingerprint)
         self.interval_s = runner.settings.worker_heartbeat_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kiln-heartbeat", daemon=True)
@@ -54,7 +72,9 @@ class Heartbeat:
             repo.heartbeat_worker(
                 session, name=self.runner.settings.worker_name, fingerprint_keys=self.keys,
                 fingerprint=self.runner.fingerprint, portable_keys=self.portable,
+                model_formats=self.formats,
                 heartbeat_s=self.interval_s, stopping=stopping,
+                instance=self.runner.settings.instance,
             )
 
     def start(self) -> None:
@@ -77,6 +97,57 @@ class Heartbeat:
                                exc_info=True)
 
 
+class HealthServer:
+    """``GET /healthz`` (the worker process answers) and ``GET /readyz`` (its broker,
+    database and store answer, each with its latency; 503 naming what is down), served by a
+    thread of the worker's main process. A plain HTTP server: the worker runs no web
+    framework, and these two routes need none."""
+
+    def __init__(self, runner: JobRunner, host: str, port: int) -> None:
+        settings = runner.settings
+        identity = {"worker": settings.worker_name, "instance": settings.instance}
+        probes = {"database": database_probe(runner.sessions),
+                  "broker": broker_probe(settings),
+                  "store": lambda: runner.store.ping()}
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/healthz":
+                    status, body = 200, {"status": "ok", **identity}
+                elif self.path == "/readyz":
+                    status, body = readiness(probes)
+                    body = {**body, **identity}
+                else:
+                    status, body = 404, {"code": "not_found",
+                                         "message": "the worker serves /healthz and /readyz"}
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: object) -> None:
+                logger.debug("health: " + format, *args)
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self._thread = threading.Thread(target=self.server.serve_forever,
+                                        name="kiln-worker-health", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self.server.server_address[1]
+
+    def start(self) -> None:
+        self._thread.start()
+        logger.info("worker health on http://%s:%d/readyz", *self.server.server_address[:2])
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def run_worker(*, concurrency: int | None = None, pool: str = "prefork",
                settings: WorkerSettings | None = None) -> None:
     settings = settings or get_worker_settings()
@@ -88,6 +159,7 @@ def run_worker(*, concurrency: int | None = None, pool: str = "prefork",
     import compiler_worker.tasks  # noqa: F401  (registers the task on celery_app)
 
     runner = JobRunner(settings)
+    runner.builds  # noqa: B018  (refuse to start without the control plane's URL and a token)
     keys = fingerprint_keys(runner.fingerprint)
     if not keys:
         raise SystemExit(f"no registered backend supports this machine: {runner.fingerprint}")
@@ -95,7 +167,13 @@ def run_worker(*, concurrency: int | None = None, pool: str = "prefork",
     heartbeat = Heartbeat(runner, keys)
     worker_ready.connect(lambda **_: heartbeat.start(), weak=False)
     worker_shutdown.connect(lambda **_: heartbeat.stop(), weak=False)
-    logger.info("worker %s consumes %s", settings.worker_name, queues)
+    if settings.worker_health_port is not None:
+        # Bound before Celery starts, so a taken port stops the worker at once.
+        health = HealthServer(runner, settings.worker_health_host, settings.worker_health_port)
+        worker_ready.connect(lambda **_: health.start(), weak=False)
+        worker_shutdown.connect(lambda **_: health.stop(), weak=False)
+    logger.info("worker %s (instance %s) consumes %s", settings.worker_name,
+                settings.instance, queues)
     celery_app.worker_main([
         "worker",
         "--queues", ",".join(queues),

@@ -13,6 +13,7 @@ import signal
 import sys
 import tempfile
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -22,9 +23,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kiln.client import KilnClient
-from kiln.ui import print_artifact, progress_wait
+from kiln.exit_codes import EXIT_CODES, JOB_UNSUCCESSFUL, exit_code
+from kiln.ui import print_artifact, progress_wait, short_ids
 from schemas import CompileOptions, JobStatus, Precision
-from schemas.errors import KilnError
+from schemas.errors import ErrorCode, KilnError
 from schemas.options import Portability, Tune
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -33,6 +35,7 @@ err = Console(stderr=True)
 
 ApiUrl = Annotated[str | None, typer.Option("--api", envvar="KILN_API_URL", help="API URL")]
 Token = Annotated[str | None, typer.Option("--token", envvar="KILN_TOKEN", help="bearer token")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON (full ids, every field)")]
 
 
 def _logging(level: str = "INFO") -> None:
@@ -94,7 +97,7 @@ def _with_datasets(client: KilnClient, options: CompileOptions, *, samples: Path
     for role, path in (("samples", samples), ("calibration", calibration)):
         if path is not None:
             dataset = client.push_dataset(path)
-            err.print(f"{role}: dataset {dataset.id[:16]}… ({dataset.samples} samples, arrays "
+            err.print(f"{role}: dataset {dataset.id} ({dataset.samples} samples, arrays "
                       f"{[t.name for t in dataset.tensors]})")
             update[role] = dataset.id
     if not update:
@@ -117,9 +120,20 @@ def api(
     settings = get_settings()
     _logging(settings.log_level)
     _start_up(settings, "api", production=settings.env != "dev")
+    from services.preflight import preflight
+
+    preflight(settings)  # the broker answers, the store exists: else stop, naming the fix
     application = create_app(settings)
-    uvicorn.run(application, host=host or settings.api_host, port=port or settings.api_port,
-                log_level=settings.log_level.lower())
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            # Held long-polls answer now: uvicorn waits for open requests before it stops.
+            application.state.desired_hub.close()
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    Server(uvicorn.Config(application, host=host or settings.api_host,
+                          port=port or settings.api_port,
+                          log_level=settings.log_level.lower())).run()
 
 
 @app.command()
@@ -128,8 +142,20 @@ def worker(
     concurrency: Annotated[int | None, typer.Option(min=1)] = None,
     pool: Annotated[str, typer.Option(help="celery pool: prefork or solo")] = "prefork",
     fingerprint_file: Annotated[Path | None, typer.Option(exists=True)] = None,
+    api_url: Annotated[str | None, typer.Option(
+        "--api", help="control-plane URL the worker publishes through (default: "
+        "KILN_WORKER_API_URL)")] = None,
+    token_: Annotated[str | None, typer.Option(
+        "--token", help="worker token scoped to this machine's fingerprint keys (default: "
+        "KILN_WORKER_TOKEN; mint one with `kiln token create --role worker --key KEY`)")
+    ] = None,
 ) -> None:
-    """Run a compiler worker consuming the queues of this machine's fingerprint keys."""
+    """Run a compiler worker consuming the queues of this machine's fingerprint keys; it
+    publishes what it builds through the control plane, which signs it."""
+    if api_url:
+        os.environ["KILN_WORKER_API_URL"] = api_url
+    if token_:
+        os.environ["KILN_WORKER_TOKEN"] = token_
     if name:
         os.environ["KILN_WORKER_NAME"] = name
     if fingerprint_file:
@@ -139,6 +165,9 @@ def worker(
     settings = get_worker_settings()
     _logging(settings.log_level)
     _start_up(settings, "worker", production=settings.env != "dev")
+    from services.preflight import preflight
+
+    preflight(settings)  # the broker and the store; a worker holds no signing key
     from compiler_worker.worker import run_worker
 
     run_worker(concurrency=concurrency, pool=pool, settings=settings)
@@ -169,15 +198,21 @@ def agent(
     host: Annotated[str | None, typer.Option(help="inference server host")] = None,
     port: Annotated[int | None, typer.Option(help="inference server port; 0: none")] = None,
     cache_dir: Annotated[Path | None, typer.Option(help="artifact cache folder")] = None,
+    root_key: Annotated[list[Path] | None, typer.Option(
+        "--root-key", exists=True, dir_okay=False,
+        help="root public key (Ed25519, PEM): the agent follows the control plane's root "
+        "metadata from it to the current signing key, so key rotation needs no change here; "
+        "repeatable (default: $KILN_HOME/root.key.pub when it exists)")] = None,
     trusted_key: Annotated[list[Path] | None, typer.Option(
         "--trusted-key", exists=True, dir_okay=False,
-        help="Ed25519 public key (PEM) whose signatures are trusted; repeatable "
-        "(default: $KILN_HOME/signing.key.pub when it exists)")] = None,
+        help="online public key (Ed25519, PEM) trusted directly instead of a root key; "
+        "repeatable")] = None,
     fingerprint_file: Annotated[Path | None, typer.Option(exists=True)] = None,
     build: Annotated[bool, typer.Option(
         "--build", help="also run a compiler worker for this node's own hardware (build on "
-        "device; needs the control plane's KILN_DATABASE_URL, KILN_STORE_URI, "
-        "KILN_BROKER_URL and signing key in the environment)")] = False,
+        "device; needs KILN_WORKER_TOKEN, a worker token for this node's keys, and the "
+        "control plane's KILN_DATABASE_URL, KILN_STORE_URI and KILN_BROKER_URL in the "
+        "environment; it holds no signing key)")] = False,
 ) -> None:
     """Run a runtime agent: register, pull the engines deployed to this node, serve them."""
     from pydantic import ValidationError
@@ -189,7 +224,8 @@ def agent(
 
     given = {"api_url": api_url, "token": token_, "labels": labels, "name": name,
              "serve_host": host, "serve_port": port, "cache_dir": cache_dir,
-             "trusted_keys": trusted_key or None, "fingerprint_file": fingerprint_file}
+             "trusted_keys": trusted_key or None, "root_keys": root_key or None,
+             "fingerprint_file": fingerprint_file}
     try:
         settings = AgentSettings(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as exc:
@@ -201,15 +237,16 @@ def agent(
         updates["api_url"] = default_url
     if "token" not in settings.model_fields_set and default_token:
         updates["token"] = default_token
-    default_key = client.home / "signing.key.pub"
-    if not settings.trusted_keys and default_key.is_file():
-        updates["trusted_keys"] = [default_key]
+    default_root = client.home / "root.key.pub"
+    if not settings.trusted_keys and not settings.root_keys and default_root.is_file():
+        updates["root_keys"] = [default_root]
     settings = settings.model_copy(update=updates)
     _logging(settings.log_level)
     from kiln.settings import is_production
 
     _start_up(settings, "agent", production=is_production())
-    builder = _start_builder(settings.name, fingerprint_file) if build else None
+    builder = (_start_builder(settings.name, fingerprint_file, settings.api_url) if build
+               else None)
     try:
         run_agent(settings)
     finally:
@@ -218,14 +255,17 @@ def agent(
             builder.wait(30)
 
 
-def _start_builder(agent_name: str, fingerprint_file: Path | None):
-    """A ``kiln worker`` child process building for this node's own fingerprint keys."""
+def _start_builder(agent_name: str, fingerprint_file: Path | None, api_url: str):
+    """A ``kiln worker`` child process building for this node's own fingerprint keys; it
+    publishes through the agent's control plane unless KILN_WORKER_API_URL says otherwise."""
     import subprocess
 
     argv = [sys.executable, "-m", "kiln.cli", "worker", "--name", f"{agent_name}-build"]
     if fingerprint_file:
         argv += ["--fingerprint-file", str(fingerprint_file)]
-    return subprocess.Popen(argv)
+    env = {**os.environ}
+    env.setdefault("KILN_WORKER_API_URL", api_url)
+    return subprocess.Popen(argv, env=env)
 
 
 @app.command()
@@ -251,6 +291,11 @@ def up(
     console.print(f"[green]Kiln is up[/] at {stack.api_url}  (state in {stack.home})")
     console.print(f"  logs: {stack.home / 'logs'};  `kiln submit MODEL.onnx --wait` from "
                   f"another shell (KILN_HOME={stack.home})")
+    from kiln.config import CLIENT_FILE
+
+    console.print(f"  dashboard: {stack.api_url}/ui  (sign in with a token from "
+                  f"`kiln token create --role reader`, or with the admin token in "
+                  f"{stack.home / CLIENT_FILE})")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         while all(p.poll() is None for p in stack.processes):
@@ -265,15 +310,13 @@ def up(
         stack.stop()
 
 
-@app.command()
-def token(
-    role: Annotated[str, typer.Option(help="admin, worker or agent")] = "admin",
-    subject: Annotated[str, typer.Option()] = "cli",
-    home: Annotated[Path, typer.Option(envvar="KILN_HOME")] = Path(".kiln"),
-) -> None:
-    """Print a token: the embedded stack's admin token, or one minted from KILN_SECRET_KEY."""
-    from services.api.auth import Role, mint_token
+token_app = typer.Typer(help="API tokens: mint one (`create`), revoke one (`revoke`).")
+app.add_typer(token_app, name="token")
 
+Home = Annotated[Path, typer.Option(envvar="KILN_HOME")]
+
+
+def _secret(home: Path) -> str:
     secret = os.environ.get("KILN_SECRET_KEY")
     secret_file = home / "secret"
     if secret is None and secret_file.exists():
@@ -282,7 +325,189 @@ def token(
         raise typer.BadParameter(
             f"no KILN_SECRET_KEY and no {secret_file}; run `kiln up` first", param_hint="--home"
         )
-    console.print(mint_token(secret, role=Role(role), subject=subject), soft_wrap=True)
+    return secret
+
+
+def _mint(role: str, subject: str, agent_name: str | None, ttl: int | None, home: Path,
+          show_id: bool, keys: list[str] | None = None) -> None:
+    import jwt
+
+    from services.api.auth import Role, mint_token
+    from services.config import KilnSettings
+
+    try:
+        minted = mint_token(_secret(home), role=Role(role), subject=subject,
+                            ttl_s=ttl or KilnSettings().token_ttl_s, agent=agent_name,
+                            keys=keys or None)
+    except (ValueError, KilnError) as exc:
+        raise typer.BadParameter(getattr(exc, "message", str(exc))) from exc
+    console.print(minted, soft_wrap=True)
+    if show_id:
+        claims = jwt.decode(minted, options={"verify_signature": False})
+        err.print(f"token id (jti) {claims['jti']}, expires "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(claims['exp']))}; "
+                  f"revoke it with `kiln token revoke {claims['jti']}`")
+
+
+RoleOpt = Annotated[str, typer.Option(help="admin, reader, worker or agent")]
+AgentOpt = Annotated[str | None, typer.Option(
+    "--agent", help="an agent token's agent: the only agent it may register as")]
+KeyOpt = Annotated[list[str] | None, typer.Option(
+    "--key", help="a worker token's fingerprint key (repeatable; '*': any): the only jobs it "
+    "may claim and publish")]
+TtlOpt = Annotated[int | None, typer.Option(
+    "--ttl", min=1, help="lifetime in seconds (default: KILN_TOKEN_TTL_S, 30 days)")]
+
+
+@token_app.callback(invoke_without_command=True)
+def token(
+    ctx: typer.Context,
+    role: RoleOpt = "admin",
+    subject: Annotated[str, typer.Option()] = "cli",
+    agent_name: AgentOpt = None,
+    key: KeyOpt = None,
+    ttl: TtlOpt = None,
+    home: Home = Path(".kiln"),
+) -> None:
+    """Print a token minted from KILN_SECRET_KEY (or the embedded stack's secret); the same
+    as `kiln token create`."""
+    if ctx.invoked_subcommand is None:
+        _mint(role, subject, agent_name, ttl, home, show_id=False, keys=key)
+
+
+@token_app.command("create")
+def token_create(
+    role: RoleOpt = "admin",
+    subject: Annotated[str, typer.Option(help="who it is for (recorded in the token)")] = "cli",
+    agent_name: AgentOpt = None,
+    key: KeyOpt = None,
+    ttl: TtlOpt = None,
+    home: Home = Path(".kiln"),
+) -> None:
+    """Mint a token (stdout) and say its id and expiry (stderr)."""
+    _mint(role, subject, agent_name, ttl, home, show_id=True, keys=key)
+
+
+@token_app.command("revoke")
+def token_revoke(
+    jti: Annotated[str, typer.Argument(help="the token's id (its jti claim)")],
+    reason: Annotated[str, typer.Option(help="why, for the record")] = "",
+    api_url: ApiUrl = None,
+    token_: Token = None,
+) -> None:
+    """Revoke a token by its id: from now on the API answers it 401."""
+    with _client(api_url, token_) as client:
+        result = client.revoke_token(jti, reason=reason)
+    state = "revoked" if result["newly_revoked"] else "was already revoked"
+    console.print(f"token {result['jti']} {state}")
+
+
+@app.command()
+def keygen(
+    out: Annotated[Path, typer.Option(
+        "--out", envvar="KILN_HOME", help="folder for signing.key and signing.key.pub")
+    ] = Path(".kiln"),
+    force: Annotated[bool, typer.Option("--force", help="replace an existing pair")] = False,
+) -> None:
+    """Write an Ed25519 signing key pair: OUT/signing.key (mode 0600; the control plane's
+    KILN_SIGNING_KEY_PATH) and OUT/signing.key.pub (what agents trust)."""
+    from artifact_store import generate_keypair
+
+    private = out / "signing.key"
+    if not force and (private.exists() or private.with_name("signing.key.pub").exists()):
+        raise KilnError(f"{private} or its .pub already exists; keep it, or replace both with "
+                        f"--force (agents trusting the old public key will then refuse new "
+                        f"manifests)", code=ErrorCode.CONFLICT)
+    signer = generate_keypair(private, overwrite=force)
+    err.print(f"wrote {private} (mode 0600) and {private}.pub: key id {signer.key_id}; set "
+              f"KILN_SIGNING_KEY_PATH={private.resolve()} on the API and workers, and give "
+              f"agents the .pub (--trusted-key)")
+    console.print(str(private.resolve()))
+
+
+store_app = typer.Typer(no_args_is_help=True, help="The artifact store: init, verify.")
+app.add_typer(store_app, name="store")
+
+
+def _control_settings():
+    from pydantic import ValidationError
+
+    from services.config import KilnSettings
+
+    try:
+        settings = KilnSettings()
+    except ValidationError as exc:
+        raise KilnError(f"invalid settings: {exc}", code=ErrorCode.CONFIG_ERROR) from exc
+    settings.check_explicit()  # production: never a silent fallback to the embedded defaults
+    return settings
+
+
+@store_app.command("init")
+def store_init(as_json: JsonOpt = False) -> None:
+    """Create the bucket (S3) or folder of KILN_STORE_URI unless it exists, and check that
+    this process can put, read and delete an object there."""
+    from services.maintenance import init_store
+
+    settings = _control_settings()
+    store = init_store(settings)
+    if as_json:
+        _print_json({"store": store.uri, "writable": True})
+        return
+    err.print(f"[green]{store.uri} is ready[/]: put, get and delete of a probe object passed")
+
+
+@store_app.command("verify")
+def store_verify(
+    repair: Annotated[bool, typer.Option(
+        "--repair", help="mark artifacts with missing or corrupt blobs broken and queue their "
+                         "rebuilds")] = False,
+    delete_orphans: Annotated[bool, typer.Option(
+        "--delete-orphans", help="remove blobs and manifests nothing references (only while "
+                                 "no build is publishing)")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Re-hash every blob the catalog names (each artifact's manifest) and report missing,
+    corrupt and orphaned ones. Runs with the control plane's settings (database, store,
+    broker). Exits 0 only when the store is clean (or was repaired)."""
+    from celery import Celery
+
+    from services.db import make_engine, make_session_factory
+    from services.maintenance import verify_store
+    from services.preflight import check_store
+    from services.queue import configure_celery
+
+    settings = _control_settings()
+    store = check_store(settings)
+    sessions = make_session_factory(make_engine(settings.database_url))
+    queue = configure_celery(settings, Celery("kiln-store-verify", set_as_current=False)) \
+        if repair else None
+    with Progress(TextColumn("re-hashing blobs"), BarColumn(), TextColumn("{task.completed}/"
+                  "{task.total}"), TimeElapsedColumn(), console=err, transient=True) as bar:
+        task = bar.add_task("", total=None)
+        report = verify_store(sessions, store, repair=repair, delete_orphans=delete_orphans,
+                              queue=queue,
+                              on_blob=lambda done, total: bar.update(task, completed=done,
+                                                                     total=total))
+    if as_json:
+        _print_json(report.model_dump(mode="json"))
+    else:
+        err.print(f"{report.store}: {report.artifacts} artifacts, {report.blobs_checked} blobs "
+                  f"({report.bytes_checked} bytes) whole")
+        for p in report.problems:
+            console.print(f"{p.problem}: artifact {p.artifact_id} blob {p.blob} {p.sha256}")
+        for sha in report.orphaned_blobs:
+            console.print(f"orphaned blob {sha}"
+                          + (" (deleted)" if sha in report.deleted_blobs else ""))
+        for artifact_id in report.orphaned_manifests:
+            console.print(f"orphaned manifest {artifact_id}"
+                          + (" (deleted)" if artifact_id in report.deleted_manifests else ""))
+        if report.marked_broken or report.rebuild_jobs:
+            err.print(f"marked broken: {report.marked_broken or 'none new'}; rebuild jobs: "
+                      f"{report.rebuild_jobs}")
+    unrepaired = report.problems and not repair
+    orphans_left = (report.orphaned_blobs or report.orphaned_manifests) and not delete_orphans
+    if unrepaired or orphans_left:
+        raise typer.Exit(EXIT_CODES[ErrorCode.INTEGRITY_ERROR])
 
 
 @app.command("config")
@@ -341,13 +566,16 @@ def config_(
 
 
 # ---------------------------------------------------------------- user commands
-def _targets(client: KilnClient, targets: list[str] | None) -> list[str]:
+def _targets(client: KilnClient, targets: list[str] | None,
+             model_format: str | None = None) -> list[str]:
     if targets:
         return targets
-    keys = client.live_fingerprint_keys()
+    keys = client.live_fingerprint_keys(model_format)
     if not keys:
-        raise KilnError("no live compiler worker is registered; start one (`kiln worker`) or "
-                        "name the hardware with --target FINGERPRINT_KEY")
+        raise KilnError("no live compiler worker is registered"
+                        + (f" that builds {model_format} models" if model_format else "")
+                        + "; start one (`kiln worker`) or name the hardware with --target "
+                          "FINGERPRINT_KEY")
     return keys
 
 
@@ -375,9 +603,9 @@ def submit(
     options = _options(precision, opt_level, atol, rtol, options_file, tune, portability)
     with _client(api_url, token_) as client:
         info = client.upload_model(model, name=name)
-        err.print(f"model {info.id[:16]}… ({info.size_bytes} bytes, opset {info.opset})")
+        err.print(f"model {info.id} ({info.size_bytes} bytes, opset {info.opset})")
         options = _with_datasets(client, options, samples=samples, calibration=calibration)
-        jobs = client.create_jobs(info.id, _targets(client, target), options)
+        jobs = client.create_jobs(info.id, _targets(client, target, info.format), options)
         for job in jobs:
             err.print(f"job {job.id} → {job.fingerprint_key}: {job.status.value}"
                       + (" (cache hit)" if job.cache_hit else ""))
@@ -390,50 +618,253 @@ def submit(
             raise typer.Exit(1)
 
 
-@app.command()
+def _print_json(data: object) -> None:
+    """JSON on stdout, whole: never wrapped, never coloured (a script parses it)."""
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _dump(rows: list) -> list[dict]:
+    return [r.model_dump(mode="json") if hasattr(r, "model_dump") else r for r in rows]
+
+
+jobs_app = typer.Typer(help="Compile jobs: list (default), show, cancel, retry.",
+                       invoke_without_command=True)
+app.add_typer(jobs_app, name="jobs")
+
+
+@jobs_app.callback()
 def jobs(
-    model_id: Annotated[str | None, typer.Option("--model")] = None,
+    ctx: typer.Context,
+    model_id: Annotated[str | None, typer.Option("--model", help="a model id or prefix")] = None,
     status: Annotated[JobStatus | None, typer.Option()] = None,
     limit: int = 50,
+    as_json: JsonOpt = False,
     api_url: ApiUrl = None,
     token_: Token = None,
 ) -> None:
-    """List compile jobs, newest first."""
+    """List compile jobs, newest first (`kiln jobs show|cancel|retry ID` for one)."""
+    if ctx.invoked_subcommand is not None:
+        return
     with _client(api_url, token_) as client:
         rows = client.list_jobs(model_id=model_id, status=status, limit=limit)
+    if as_json:
+        _print_json(_dump(rows))
+        return
+    ids = short_ids([j.id for j in rows], console)
+    models = short_ids([j.model_id for j in rows], console)
+    arts = short_ids([j.artifact_id for j in rows if j.artifact_id], console)
     table = Table()
     for col in ("job", "model", "fingerprint key", "status", "stage", "artifact", "error"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for j in rows:
-        table.add_row(j.id[:12], j.model_id[:12], j.fingerprint_key, j.status.value,
-                      j.stage.value, (j.artifact_id or "")[:12] + (" (hit)" if j.cache_hit else ""),
+        table.add_row(ids(j.id), models(j.model_id), j.fingerprint_key, j.status.value,
+                      j.stage.value, arts(j.artifact_id) + (" (hit)" if j.cache_hit else ""),
                       j.error.code if j.error else "")
     console.print(table)
 
 
+def _show_job(job, as_json: bool) -> None:
+    if as_json:
+        _print_json(job.model_dump(mode="json"))
+        return
+    table = Table("field", "value", title=f"job {job.id}")
+    table.columns[1].overflow = "fold"
+    for field in ("model_id", "fingerprint_key", "status", "stage", "progress", "artifact_id",
+                  "cache_hit", "force", "attempts", "retries", "worker", "created_at",
+                  "started_at", "finished_at"):
+        value = getattr(job, field)
+        table.add_row(field, "" if value is None else str(getattr(value, "value", value)))
+    if job.error is not None:
+        table.add_row("error", f"{job.error.code}: {job.error.message}")
+    console.print(table)
+
+
+@jobs_app.command("show")
+def jobs_show(job_id: Annotated[str, typer.Argument(help="a job id or unique prefix")],
+              as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = None) -> None:
+    """Show one job: status, stage, attempts, error, artifact."""
+    with _client(api_url, token_) as client:
+        _show_job(client.get_job(job_id), as_json)
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(job_id: Annotated[str, typer.Argument(help="a job id or unique prefix")],
+                as_json: JsonOpt = False, api_url: ApiUrl = None,
+                token_: Token = None) -> None:
+    """Cancel a queued, waiting or running job (a running job's task is revoked)."""
+    with _client(api_url, token_) as client:
+        job = client.cancel_job(job_id)
+    if as_json:
+        _print_json(job.model_dump(mode="json"))
+        return
+    err.print(f"job {job.id} cancelled (it was {job.error.details.get('status')})"
+              if job.error else f"job {job.id} cancelled")
+
+
+@jobs_app.command("retry")
+def jobs_retry(
+    job_id: Annotated[str, typer.Argument(help="a job id or unique prefix")],
+    wait: Annotated[bool, typer.Option("--wait")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait")] = 1800,
+    as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = None,
+) -> None:
+    """Queue a failed or cancelled job again (a job already queued is left as it is)."""
+    with _client(api_url, token_) as client:
+        job = client.retry_job(job_id)
+        err.print(f"job {job.id} → {job.fingerprint_key}: {job.status.value} (retry "
+                  f"{job.retries})")
+        if wait:
+            (job,) = progress_wait(client, [job], timeout, console=err)
+    if as_json:
+        _print_json(job.model_dump(mode="json"))
+    if wait and job.status is not JobStatus.SUCCEEDED:
+        raise typer.Exit(JOB_UNSUCCESSFUL)
+
+
 @app.command()
+def rebuild(
+    model_id: Annotated[str, typer.Argument(help="a model id or unique prefix")],
+    key: Annotated[str, typer.Option("--key", help="the fingerprint key to build for")],
+    wait: Annotated[bool, typer.Option("--wait")] = False,
+    precision: PrecisionOpt = Precision.FP32,
+    opt_level: LevelOpt = None,
+    tune: TuneOpt = Tune.AUTO,
+    portability: PortabilityOpt = Portability.EXACT,
+    atol: AtolOpt = None,
+    rtol: RtolOpt = None,
+    options_file: OptionsFile = None,
+    timeout: Annotated[float, typer.Option(help="seconds to wait")] = 1800,
+    as_json: JsonOpt = False,
+    api_url: ApiUrl = None,
+    token_: Token = None,
+) -> None:
+    """Build MODEL for one fingerprint key again, ignoring the cache (the new engine replaces
+    the artifact of that cache key)."""
+    options = _options(precision, opt_level, atol, rtol, options_file, tune, portability)
+    with _client(api_url, token_) as client:
+        job = client.rebuild(model_id, key, options)
+        err.print(f"job {job.id} → {job.fingerprint_key}: {job.status.value} (forced rebuild)")
+        if wait:
+            (job,) = progress_wait(client, [job], timeout, console=err)
+            print_artifact(client, job, console=err if as_json else console, err=err)
+    if as_json:
+        _print_json(job.model_dump(mode="json"))
+    elif not wait:
+        console.print(job.id)
+    if wait and job.status is not JobStatus.SUCCEEDED:
+        raise typer.Exit(JOB_UNSUCCESSFUL)
+
+
+artifacts_app = typer.Typer(help="Artifacts: list (default), show, rm.",
+                            invoke_without_command=True)
+app.add_typer(artifacts_app, name="artifacts")
+
+
+@artifacts_app.callback()
 def artifacts(
-    model_id: Annotated[str | None, typer.Option("--model")] = None,
+    ctx: typer.Context,
+    model_id: Annotated[str | None, typer.Option("--model", help="a model id or prefix")] = None,
     fingerprint: Annotated[str | None, typer.Option("--fingerprint")] = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    state: Annotated[str | None, typer.Option(help="ready or broken")] = None,
+    as_json: JsonOpt = False,
     limit: int = 50,
     api_url: ApiUrl = None,
     token_: Token = None,
 ) -> None:
-    """List artifacts, filtered by model or fingerprint key."""
-    with _client(api_url, token_) as client:
-        rows = client.list_artifacts(model_id=model_id, fingerprint_key=fingerprint, limit=limit)
-    if as_json:
-        console.print_json(json.dumps([r.model_dump(mode="json") for r in rows]))
+    """List artifacts, filtered by model, fingerprint key or state."""
+    if ctx.invoked_subcommand is not None:
         return
+    with _client(api_url, token_) as client:
+        rows = client.list_artifacts(model_id=model_id, fingerprint_key=fingerprint,
+                                     state=state, limit=limit)
+    if as_json:
+        _print_json(_dump(rows))
+        return
+    ids = short_ids([a.id for a in rows], console)
+    models = short_ids([a.model_id for a in rows], console)
     table = Table()
-    for col in ("artifact", "model", "fingerprint key", "backend", "size", "max abs err",
-                "p50 ms"):
-        table.add_column(col)
+    for col in ("artifact", "model", "fingerprint key", "backend", "state", "size",
+                "max abs err", "p50 ms"):
+        table.add_column(col, overflow="fold")
     for a in rows:
-        table.add_row(a.id[:12], a.model_id[:12], a.fingerprint_key, a.backend,
+        table.add_row(ids(a.id), models(a.model_id), a.fingerprint_key, a.backend,
+                      a.state + (f": {a.broken_reason}" if a.broken_reason else ""),
                       str(a.size_bytes), f"{a.max_abs_error:.2g}", f"{a.p50_ms:.3f}")
     console.print(table)
+
+
+@artifacts_app.command("show")
+def artifacts_show(
+    artifact_id: Annotated[str, typer.Argument(help="an artifact id or unique prefix")],
+    as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = None,
+) -> None:
+    """Show one artifact: its state and its signed manifest."""
+    with _client(api_url, token_) as client:
+        detail = client.get_artifact(artifact_id)
+    if as_json:
+        _print_json(detail)
+        return
+    a, m = detail["artifact"], detail["manifest"]
+    table = Table("field", "value", title=f"artifact {a['id']}")
+    table.columns[1].overflow = "fold"
+    for field in ("model_id", "fingerprint_key", "backend", "toolchain", "state",
+                  "broken_reason", "size_bytes", "created_at"):
+        table.add_row(field, "" if a.get(field) is None else str(a[field]))
+    table.add_row("blobs", "\n".join(f"{b['name']} {b['sha256']} {b['size']} B"
+                                      for b in m["blobs"]))
+    console.print(table)
+
+
+@artifacts_app.command("rm")
+def artifacts_rm(
+    artifact_id: Annotated[str, typer.Argument(help="an artifact id or unique prefix")],
+    force: Annotated[bool, typer.Option(
+        "--force", help="delete it even while a deployment or agent uses it")] = False,
+    as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = None,
+) -> None:
+    """Delete an artifact: its row, its manifest and the blobs nothing else references."""
+    with _client(api_url, token_) as client:
+        result = client.delete_artifact(artifact_id, force=force)
+    if as_json:
+        _print_json(result)
+        return
+    err.print(f"deleted artifact {result['artifact_id']}: {len(result['deleted_blobs'])} blobs "
+              f"removed, {len(result['kept_blobs'])} kept (used elsewhere)"
+              + (f"; it was used by {', '.join(result['users'])}" if result["users"] else ""))
+
+
+@app.command()
+def gc(
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="only list what the retention policy would delete")] = False,
+    as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = None,
+) -> None:
+    """Apply the retention policy: delete artifacts past the newest
+    KILN_RETENTION_KEEP_PER_KEY per (model, fingerprint key) that no deployment or agent uses,
+    their manifests and unshared blobs, old finished jobs and long-silent agents."""
+    with _client(api_url, token_) as client:
+        report = client.collect_garbage(dry_run=dry_run)
+    if as_json:
+        _print_json(report.model_dump(mode="json"))
+        return
+    if report.artifacts:
+        ids = short_ids([a.id for a in report.artifacts], console)
+        table = Table(title="artifacts " + ("to delete" if dry_run else "deleted"))
+        for col in ("artifact", "fingerprint key", "size", "created", "why"):
+            table.add_column(col, overflow="fold")
+        for a in report.artifacts:
+            table.add_row(ids(a.id), a.fingerprint_key, str(a.size_bytes),
+                          f"{a.created_at:%Y-%m-%d %H:%M}", a.reason)
+        console.print(table)
+    verb = "would delete" if dry_run else "deleted"
+    err.print(f"{verb} {len(report.artifacts)} artifacts and {len(report.blobs)} blobs "
+              f"({report.freed_bytes} bytes), {report.jobs} finished jobs, "
+              f"{len(report.agents)} agents, {report.revoked_tokens} expired revocations; "
+              f"{report.kept_in_use} older artifacts kept because they are in use")
+    for error in report.store_errors:
+        err.print(f"[yellow]not deleted from the store[/]: {error}")
+    if report.store_errors:
+        raise typer.Exit(EXIT_CODES[ErrorCode.STORE_ERROR])
 
 
 def _parse_selector(items: list[str] | None) -> dict[str, str]:
@@ -459,62 +890,166 @@ def deploy(
     atol: AtolOpt = None,
     rtol: RtolOpt = None,
     options_file: OptionsFile = None,
+    stages: Annotated[str | None, typer.Option(help=(
+        "roll a change out in stages per fingerprint cohort, e.g. '1,10%,100%' (counts of "
+        "agents, then percentages; the last is 100%)"))] = None,
+    soak_s: Annotated[float, typer.Option(help="seconds each stage soaks with its gates "
+                                               "passing")] = 60.0,
+    gate: Annotated[list[str] | None, typer.Option(
+        help="a rollout gate: golden, latency or error_rate; repeatable (default golden)")]
+    = None,
+    on_halt: Annotated[str, typer.Option(help=(
+        "when a cohort halts, the others: continue, halt_others or rollback_all"))]
+    = "continue",
     api_url: ApiUrl = None,
     token_: Token = None,
 ) -> None:
-    """Create or update a deployment: the agents whose labels match serve the model."""
+    """Create or update a deployment: the agents whose labels match serve the model. With
+    --stages, a change of model or options rolls out stage by stage behind gates."""
     options = _options(precision, opt_level, atol, rtol, options_file, tune, portability)
+    rollout = None
+    if stages is not None:
+        rollout = {"stages": [s.strip() for s in stages.split(",")], "soak_s": soak_s,
+                   "gates": [{"name": g} for g in (gate or ["golden"])], "on_halt": on_halt}
     with _client(api_url, token_) as client:
         applied = client.deploy(name, model_id, selector=_parse_selector(selector),
-                                options=options)
+                                options=options, rollout=rollout)
     d = applied["deployment"]
     console.print(f"deployment {d['name']} (generation {d['generation']}) → model "
-                  f"{d['model_id'][:16]}…, selector {d['selector'] or 'every agent'}; "
+                  f"{d['model_id']}, selector {d['selector'] or 'every agent'}; "
                   f"builds queued: {len(applied['build_jobs'])}")
+    if applied.get("rollout"):
+        console.print(f"rollout {applied['rollout']['id']} started (`kiln rollouts`)")
 
 
 @app.command()
-def deployments(api_url: ApiUrl = None, token_: Token = None) -> None:
+def rollouts(as_json: JsonOpt = False, active: Annotated[bool, typer.Option(
+        help="only running, paused or halted ones")] = False,
+        api_url: ApiUrl = None, token_: Token = None) -> None:
+    """Rollouts: each cohort's stage, admitted agents and the reason of any halt."""
+    with _client(api_url, token_) as client:
+        rows = client.list_rollouts(active=active)
+    if as_json:
+        _print_json(rows)
+        return
+    table = Table()
+    for col in ("rollout", "deployment", "state", "stages", "cohort", "stage", "admitted",
+                "halt reason"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        stages = " → ".join(str(s) for s in r["policy"]["stages"])
+        head = [r["id"][:12], r["deployment"], r["state"], stages]
+        if not r["cohorts"]:
+            table.add_row(*head, "-", "-", "-", r.get("reason") or "")
+        for c in r["cohorts"]:
+            share = r["policy"]["stages"][c["stage"]]
+            table.add_row(*head, c["key"], f"{c['stage'] + 1}/{len(r['policy']['stages'])} "
+                          f"({share}) {c['state']}", f"{len(c['admitted'])}/{c['agents']}",
+                          c.get("halt_reason") or (r.get("reason") or ""))
+            head = ["", "", "", ""]
+    console.print(table)
+
+
+class RolloutAction(StrEnum):
+    PAUSE = "pause"
+    RESUME = "resume"
+    ABORT = "abort"
+
+
+@app.command()
+def rollout(
+    action: Annotated[RolloutAction, typer.Argument(help="pause, resume or abort")],
+    ref: Annotated[str, typer.Argument(help="rollout id, or a deployment name (its newest "
+                                            "rollout)")],
+    api_url: ApiUrl = None, token_: Token = None,
+) -> None:
+    """Pause a rollout (no stage advances; failing gates still halt), resume it, or abort
+    it (the deployment goes back to the model it had before, on every agent)."""
+    with _client(api_url, token_) as client:
+        r = client.rollout_action(ref, action.value)
+    console.print(f"rollout {r['id']} of {r['deployment']}: {r['state']}")
+
+
+@app.command()
+def deployments(as_json: JsonOpt = False, api_url: ApiUrl = None,
+                token_: Token = None) -> None:
     """List deployments."""
     with _client(api_url, token_) as client:
         rows = client.list_deployments()
+    if as_json:
+        _print_json(rows)
+        return
+    models = short_ids([d["model_id"] for d in rows], console)
+    digests = short_ids([d["options_digest"] for d in rows], console)
     table = Table()
     for col in ("name", "model", "selector", "generation", "options digest"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for d in rows:
         selector = ",".join(f"{k}={v}" for k, v in d["selector"].items()) or "*"
-        table.add_row(d["name"], d["model_id"][:12], selector, str(d["generation"]),
-                      d["options_digest"][:12])
+        table.add_row(d["name"], models(d["model_id"]), selector, str(d["generation"]),
+                      digests(d["options_digest"]))
     console.print(table)
 
 
 @app.command()
-def agents(api_url: ApiUrl = None, token_: Token = None) -> None:
+def agents(as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = None) -> None:
     """List runtime agents: labels, fingerprint keys, last heartbeat, what each serves."""
     with _client(api_url, token_) as client:
         rows = client.list_agents()
+    if as_json:
+        _print_json(rows)
+        return
+    arts = short_ids([m["artifact_id"] for a in rows for m in a["models"]
+                      if m.get("artifact_id")], console)
     table = Table()
     for col in ("agent", "alive", "labels", "fingerprint keys", "last seen", "models"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for a in rows:
         labels = ",".join(f"{k}={v}" for k, v in a["labels"].items())
         models = "; ".join(
             f"{m['deployment']}: {m['state']}"
-            + (f" {m['artifact_id'][:12]}" if m.get("artifact_id") else "")
+            + (f" {arts(m['artifact_id'])}" if m.get("artifact_id") else "")
             + (f" ({m['error']['code']})" if m.get("error") else "")
             for m in a["models"]
         )
-        table.add_row(a["name"], "yes" if a["alive"] else "no", labels,
+        trust = a.get("trust") or {}
+        alive = "yes" if a["alive"] else "no"
+        if trust.get("stale"):  # its signed desired state expired: it serves what it had
+            alive += " (stale)"
+        if trust.get("refused"):
+            models += f" [refused desired state: {trust['refused']['code']}]"
+        table.add_row(a["name"], alive, labels,
                       ", ".join(a["fingerprint_keys"].values()), a["last_seen"][:19], models)
     console.print(table)
 
 
 @app.command()
-def fleet(api_url: ApiUrl = None, token_: Token = None) -> None:
+def workers(as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = None) -> None:
+    """List compiler workers: the keys each serves, its state and last heartbeat (workers
+    gone longer than KILN_WORKER_PRUNE_S are forgotten)."""
+    with _client(api_url, token_) as client:
+        rows = client.list_workers()
+    if as_json:
+        _print_json(rows)
+        return
+    table = Table()
+    for col in ("worker", "state", "fingerprint keys", "last heartbeat", "started"):
+        table.add_column(col, overflow="fold")
+    for w in rows:
+        table.add_row(w["name"], w["state"], "\n".join(w["fingerprint_keys"]),
+                      w["last_seen"][:19], w["started_at"][:19])
+    console.print(table)
+
+
+@app.command()
+def fleet(as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = None) -> None:
     """The fingerprint keys in the fleet (nodes and workers each), and for each deployment
     which keys run an exact engine and which a fallback."""
     with _client(api_url, token_) as client:
         summary = client.fleet()
+    if as_json:
+        _print_json(summary)
+        return
     keys = Table(title="fingerprint keys")
     for col in ("fingerprint key", "backend", "nodes (alive)", "workers"):
         keys.add_column(col)
@@ -536,6 +1071,66 @@ def fleet(api_url: ApiUrl = None, token_: Token = None) -> None:
             "\n".join(by_tier.get("none", [])),
         )
     console.print(coverage)
+
+
+keys_app = typer.Typer(no_args_is_help=True, help=(
+    "The control plane's signing keys: a root key that signs root metadata (TUF) naming the "
+    "online key that signs manifests and desired state. Reads KILN_ROOT_KEY_PATH, "
+    "KILN_SIGNING_KEY_PATH, KILN_TRUST_DIR (defaults under KILN_HOME)."))
+app.add_typer(keys_app, name="keys")
+
+
+def _print_trust(info, *, what: str) -> None:
+    console.print(f"{what}: root metadata version {info.root_version} (expires "
+                  f"{info.expires:%Y-%m-%d}); root key {info.root_key_id}; online key(s) "
+                  f"{', '.join(info.online_key_ids)}")
+
+
+@keys_app.command("init")
+def keys_init() -> None:
+    """Create the root key and the online key where missing, and root metadata version 1
+    naming them (nothing changes when root metadata exists). Agents get the root public key
+    (<root key>.pub) and nothing else."""
+    from services.config import get_settings
+    from services.signer import init_trust
+
+    settings = get_settings()
+    info = init_trust(settings, create_keys=True)
+    _print_trust(info, what="trust")
+    console.print(f"give agents the root public key: {settings.root_key_path}.pub "
+                  f"(--root-key / KILN_AGENT_ROOT_KEYS)")
+
+
+@keys_app.command("rotate")
+def keys_rotate(
+    resign: Annotated[bool, typer.Option(
+        help="re-sign every stored manifest with the new key (default; without it, agents "
+        "refuse manifests the old key signed)")] = True,
+) -> None:
+    """Replace the online key: a new key, the next root metadata version naming only it
+    (signed by the root key), every stored manifest re-signed. Agents pick up the new key on
+    their next fetch; what the old key signs afterwards is refused. The running API reads the
+    new key file by itself."""
+    from artifact_store import open_store
+    from services.config import get_settings
+    from services.signer import rotate_online_key
+
+    settings = get_settings()
+    store = open_store(settings.store_uri, s3_endpoint_url=settings.s3_endpoint_url,
+                       s3_region=settings.s3_region) if resign else None
+    with console.status("re-signing manifests and writing new root metadata"):
+        info = rotate_online_key(settings, store)
+    _print_trust(info, what="rotated")
+
+
+@keys_app.command("show")
+def keys_show() -> None:
+    """The current root metadata: its version, expiry, root key and online key(s)."""
+    from services.config import get_settings
+    from services.signer import root_metadata, trust_info
+
+    settings = get_settings()
+    _print_trust(trust_info(root_metadata(Path(settings.trust_dir))), what="trust")
 
 
 plugin_app = typer.Typer(no_args_is_help=True, help="Custom-op plugin bundles.")
@@ -587,17 +1182,21 @@ def plugin_push(
 
 
 @app.command()
-def plugins(api_url: ApiUrl = None, token_: Token = None) -> None:
+def plugins(as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = None) -> None:
     """List registered custom-op plugins."""
     with _client(api_url, token_) as client:
         rows = client.list_plugins()
+    if as_json:
+        _print_json(rows)
+        return
+    digests = short_ids([p["digest"] for p in rows], console)
     table = Table()
     for col in ("plugin", "version", "ops", "implementations", "sha256"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for p in rows:
         impls = ", ".join(f"{i['backend']}/{i['device']} ({i['kind']})"
                           for i in p["manifest"]["implementations"])
-        table.add_row(p["name"], p["version"], ", ".join(p["ops"]), impls, p["digest"][:16])
+        table.add_row(p["name"], p["version"], ", ".join(p["ops"]), impls, digests(p["digest"]))
     console.print(table)
 
 
@@ -622,16 +1221,21 @@ def dataset_push(
 
 
 @app.command()
-def datasets(limit: int = 50, api_url: ApiUrl = None, token_: Token = None) -> None:
+def datasets(limit: int = 50, as_json: JsonOpt = False, api_url: ApiUrl = None,
+             token_: Token = None) -> None:
     """List uploaded datasets, newest first."""
     with _client(api_url, token_) as client:
         rows = client.list_datasets(limit=limit)
+    if as_json:
+        _print_json(_dump(rows))
+        return
+    ids = short_ids([d.id for d in rows], console)
     table = Table()
     for col in ("dataset", "samples", "arrays", "bytes", "uploaded"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for d in rows:
         arrays = ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in d.tensors)
-        table.add_row(d.id[:16], str(d.samples), arrays, str(d.size_bytes),
+        table.add_row(ids(d.id), str(d.samples), arrays, str(d.size_bytes),
                       d.created_at.strftime("%Y-%m-%d %H:%M:%S"))
     console.print(table)
 
@@ -640,6 +1244,7 @@ def datasets(limit: int = 50, api_url: ApiUrl = None, token_: Token = None) -> N
 def tuning(
     artifact_or_model: Annotated[str, typer.Argument(
         help="an artifact id (its table), or a model id (every tuning record of the model)")],
+    as_json: JsonOpt = False,
     api_url: ApiUrl = None,
     token_: Token = None,
 ) -> None:
@@ -648,6 +1253,9 @@ def tuning(
 
     with _client(api_url, token_) as client:
         tables = client.tuning(artifact_or_model)
+    if as_json:
+        _print_json(_dump(tables))
+        return
     if not tables:
         err.print(f"no tuning records for {artifact_or_model}")
     for table in tables:
@@ -703,8 +1311,9 @@ def compile(
         "--calibration", exists=True, dir_okay=False,
         help="an .npz of representative inputs for static int8 calibration")] = None,
 ) -> None:
-    """Compile MODEL.onnx (with the external data files it references, beside it) for this
-    machine in-process (no services); write the artifact dir."""
+    """Compile MODEL.onnx (with the external data files it references, beside it) or a
+    torch.export archive (MODEL.pt2) for this machine in-process (no services); write the
+    artifact dir."""
     from artifact_store.bundles import read_bundle
     from artifact_store.digest import sha256_file
     from compiler_worker.pipeline import compile_model, write_artifact_dir
@@ -812,6 +1421,14 @@ def run(
     console.print(table)
 
 
+@app.command("exit-codes")
+def exit_codes_() -> None:
+    """Print the exit status of every error (the README's table)."""
+    from kiln.exit_codes import markdown_table
+
+    sys.stdout.write(markdown_table() + "\n")
+
+
 @app.command()
 def demo(
     port: Annotated[int, typer.Option()] = 8000,
@@ -830,7 +1447,10 @@ def main() -> None:
         app()
     except KilnError as exc:
         err.print(f"[red]error[/] ({exc.code}): {exc.message}")
-        sys.exit(2)
+        matches = exc.details.get("matches") if isinstance(exc.details, dict) else None
+        if matches:
+            err.print("matches:\n  " + "\n  ".join(matches))
+        sys.exit(exit_code(exc.code))
 
 
 if __name__ == "__main__":

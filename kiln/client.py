@@ -21,6 +21,7 @@ from schemas import (
 )
 from schemas.datasets import DatasetInfo
 from schemas.errors import ErrorCode, KilnError
+from schemas.retention import RetentionReport
 from schemas.tuning import TuningTable
 
 
@@ -50,10 +51,19 @@ class KilnClient:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise KilnError(f"cannot reach the Kiln API at {self.api_url}: {exc}") from exc
+            error = KilnError(f"cannot reach the Kiln API at {self.api_url}: {exc}",
+                              code=ErrorCode.API_UNREACHABLE)
+            error.transient = True
+            raise error from exc
         if response.status_code >= 400:
             raise error_from_response(response, f"{method} {path}")
         return response
+
+    # tokens
+    def revoke_token(self, jti: str, *, reason: str = "") -> dict[str, Any]:
+        """Revoke the token whose ``jti`` this is (admin)."""
+        return self._call("POST", "/v1/tokens/revoked",
+                          json={"jti": jti, "reason": reason}).json()
 
     # models
     def upload_model(self, model: Path | bytes, *, name: str | None = None) -> ModelInfo:
@@ -115,6 +125,24 @@ class KilnClient:
         response = self._call("GET", "/v1/compile-jobs", params=params)
         return [CompileJob.model_validate(j) for j in response.json()]
 
+    def cancel_job(self, job_id: str) -> CompileJob:
+        """Cancel a queued, waiting or running job (``Conflict`` once it finished)."""
+        return CompileJob.model_validate(
+            self._call("POST", f"/v1/compile-jobs/{job_id}/cancel").json())
+
+    def retry_job(self, job_id: str) -> CompileJob:
+        """Queue a failed or cancelled job again (idempotent)."""
+        return CompileJob.model_validate(
+            self._call("POST", f"/v1/compile-jobs/{job_id}/retry").json())
+
+    def rebuild(self, model_id: str, fingerprint_key: str,
+                options: CompileOptions | None = None) -> CompileJob:
+        """Force a fresh build of the model for one fingerprint key, ignoring the cache."""
+        payload = {"fingerprint_key": fingerprint_key,
+                   "options": (options or CompileOptions()).model_dump(mode="json")}
+        return CompileJob.model_validate(
+            self._call("POST", f"/v1/models/{model_id}/rebuild", json=payload).json())
+
     def wait_job(
         self,
         job_id: str,
@@ -122,16 +150,38 @@ class KilnClient:
         timeout_s: float = 1800,
         poll_s: float = 0.25,
         on_update: Callable[[CompileJob], None] | None = None,
+        on_retry: Callable[[KilnError, float], None] | None = None,
+        max_backoff_s: float = 10.0,
     ) -> CompileJob:
+        """Poll a job until it finishes. An API that is restarting (connection refused, 502,
+        503, 504) is waited out with exponential backoff up to ``max_backoff_s``, each wait
+        reported to ``on_retry(error, delay)``; the deadline still holds."""
         deadline = time.monotonic() + timeout_s
+        backoff = poll_s
         while True:
-            job = self.get_job(job_id)
+            try:
+                job = self.get_job(job_id)
+            except KilnError as exc:
+                if not exc.transient:
+                    raise
+                delay = min(backoff, max_backoff_s, max(deadline - time.monotonic(), 0))
+                if delay <= 0:
+                    raise KilnError(f"job {job_id}: the API stayed unavailable until the "
+                                    f"{timeout_s:g} s deadline: {exc.message}",
+                                    code=exc.code) from exc
+                if on_retry is not None:
+                    on_retry(exc, delay)
+                time.sleep(delay)
+                backoff = min(backoff * 2, max_backoff_s)
+                continue
+            backoff = poll_s
             if on_update is not None:
                 on_update(job)
             if job.status.terminal:
                 return job
             if time.monotonic() > deadline:
-                raise KilnError(f"job {job_id} is still {job.status} after {timeout_s}s")
+                raise KilnError(f"job {job_id} is still {job.status} after {timeout_s}s",
+                                code=ErrorCode.TIMED_OUT)
             time.sleep(poll_s)
 
     # artifacts
@@ -143,8 +193,28 @@ class KilnClient:
     def get_artifact(self, artifact_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/artifacts/{artifact_id}").json()
 
+    def delete_artifact(self, artifact_id: str, *, force: bool = False) -> dict[str, Any]:
+        """Delete an artifact and the blobs nothing else uses (``Conflict`` while deployed,
+        unless ``force``)."""
+        return self._call("DELETE", f"/v1/artifacts/{artifact_id}",
+                          params={"force": force}).json()
+
+    def collect_garbage(self, *, dry_run: bool = False) -> RetentionReport:
+        """Apply the retention policy now (``dry_run``: only say what it would delete)."""
+        response = self._call("POST", "/v1/gc", params={"dry_run": dry_run})
+        return RetentionReport.model_validate(response.json())
+
+    def list_models(self, *, limit: int = 100) -> list[ModelInfo]:
+        response = self._call("GET", "/v1/models", params={"limit": limit})
+        return [ModelInfo.model_validate(m) for m in response.json()]
+
     def get_manifest(self, artifact_id: str) -> ArtifactManifest:
         return ArtifactManifest.model_validate(self.get_artifact(artifact_id)["manifest"])
+
+    def get_signed_manifest(self, artifact_id: str) -> bytes:
+        """The artifact's manifest exactly as stored: a signed envelope, to verify with
+        ``artifact_store.signing.Verifier.verify_manifest``."""
+        return self._call("GET", f"/v1/artifacts/{artifact_id}/manifest").content
 
     def download_blob(self, artifact_id: str, ref: BlobRef, dest: Path) -> Path:
         """Download blob ``ref`` of an artifact to ``dest``: resumable, following a presigned
@@ -180,12 +250,14 @@ class KilnClient:
     # fleet
     def deploy(
         self, name: str, model_id: str, *, selector: dict[str, str] | None = None,
-        options: CompileOptions | None = None,
+        options: CompileOptions | None = None, rollout: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Create or update deployment ``name``; returns the deployment and its build jobs."""
+        """Create or update deployment ``name``; returns the deployment, its build jobs and
+        the rollout a change with ``rollout`` (a ``RolloutPolicy`` body) started."""
         payload = {
             "name": name, "model_id": model_id, "selector": selector or {},
             "options": (options or CompileOptions()).model_dump(mode="json"),
+            "rollout": rollout,
         }
         return self._call("POST", "/v1/deployments", json=payload).json()
 
@@ -194,6 +266,13 @@ class KilnClient:
 
     def delete_deployment(self, name: str) -> None:
         self._call("DELETE", f"/v1/deployments/{name}")
+
+    def list_rollouts(self, *, active: bool = False) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/rollouts", params={"active": active}).json()
+
+    def rollout_action(self, ref: str, action: str) -> dict[str, Any]:
+        """``pause``, ``resume`` or ``abort`` rollout ``ref`` (an id or a deployment name)."""
+        return self._call("POST", f"/v1/rollouts/{ref}/{action}").json()
 
     def list_agents(self) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/agents").json()
@@ -207,9 +286,17 @@ class KilnClient:
     def list_workers(self) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/workers").json()
 
-    def live_fingerprint_keys(self) -> list[str]:
-        """The fingerprint keys that a live compiler worker serves right now."""
-        return sorted({k for w in self.list_workers() if w["alive"] for k in w["fingerprint_keys"]})
+    def live_fingerprint_keys(self, model_format: str | None = None) -> list[str]:
+        """The fingerprint keys that a live compiler worker serves right now; with
+        ``model_format``, only those whose workers build models of that format."""
+        keys = set()
+        for worker in self.list_workers():
+            if not worker["alive"]:
+                continue
+            formats = worker.get("model_formats") or {}
+            keys |= {k for k in worker["fingerprint_keys"]
+                     if model_format is None or k not in formats or model_format in formats[k]}
+        return sorted(keys)
 
     def health(self) -> dict[str, Any]:
         return self._call("GET", "/healthz").json()

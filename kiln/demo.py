@@ -86,9 +86,12 @@ def run_demo(*, home: Path, port: int, agent_port: int, console: Console) -> int
 def _main_job(
     client: KilnClient, http: httpx.Client, agent_url: str, console: Console, model_bytes: bytes
 ) -> int:
-    keys = _wait("a compiler worker", lambda: client.live_fingerprint_keys() or None, 90)
     model = client.upload_model(model_bytes, name="small_cnn")
-    console.print(f"model {model.id[:16]}… ({model.size_bytes} bytes, opset {model.opset}); "
+    # Only the keys whose workers build this model's format (an AOTInductor worker takes
+    # torch.export programs, not ONNX).
+    keys = _wait("a compiler worker",
+                 lambda: client.live_fingerprint_keys(model.format) or None, 90)
+    console.print(f"model {model.id} ({model.size_bytes} bytes, opset {model.opset}); "
                   f"worker keys {keys}")
 
     started = time.perf_counter()

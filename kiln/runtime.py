@@ -1,5 +1,8 @@
 """Run a compiled artifact in this process: ``kiln.runtime.load(dir).run({"x": array})``.
 
+Inputs may be numpy arrays or DLPack tensors; ``run(..., out=...)`` writes into the caller's
+buffers (see ``LoadedModel.run``).
+
 The artifact directory is what ``kiln compile --out`` (or an agent's cache) holds: a
 ``manifest.json`` and its blobs, and for an engine with custom ops the plugin bundles it needs
 as ``plugins/<digest>.tar``. Every blob is re-hashed against the manifest before the engine
@@ -15,8 +18,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-
-import numpy as np
+from typing import Any
 
 from artifact_store.signing import load_verifier
 from runtime_agent.artifact_dir import read_manifest, verify_blobs
@@ -60,9 +62,16 @@ class LoadedModel:
     def outputs(self) -> list[TensorSpec]:
         return list(self.manifest.outputs)
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run the engine; ``InvalidRequest`` says how ``inputs`` differ from ``self.inputs``."""
-        return self._executor.run(inputs)
+    def run(self, inputs: Mapping[str, Any], *,
+            out: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Run the engine; ``InvalidRequest`` says how ``inputs`` differ from ``self.inputs``.
+
+        Inputs are numpy arrays or DLPack tensors (torch, CuPy, JAX), read in place when they
+        are dense and on the engine's device (a strided one is copied once; one on another
+        device is refused). ``out`` maps output names to buffers the engine writes in place
+        (returned as given, checked against the signature's shapes first); the runtime
+        allocates the others."""
+        return self._executor.run(inputs, out=out)
 
     def __repr__(self) -> str:
         m = self.manifest
@@ -71,21 +80,24 @@ class LoadedModel:
 
 def load(artifact_dir: Path | str, *,
          trusted_keys: Sequence[Path | str] | None = None,
-         plugin_dir: Path | str | None = None) -> LoadedModel:
+         plugin_dir: Path | str | None = None,
+         stream: int | None = None) -> LoadedModel:
     """Load the artifact in ``artifact_dir`` after checking every blob's sha256
     (``IntegrityError``), and — with ``trusted_keys`` (Ed25519 public key PEM files) — that one
     of them signed the manifest (``SignatureInvalid``).
 
     The plugins the manifest names are loaded first from ``plugins/<digest>.tar`` in the
     directory (``NotFound`` when one is missing; ``IntegrityError``, ``PluginError`` when one
-    does not match or cannot run here), unpacked under ``plugin_dir``."""
+    does not match or cannot run here), unpacked under ``plugin_dir``.
+
+    ``stream`` (a ``cudaStream_t`` as an int, e.g. ``torch.cuda.current_stream().cuda_stream``)
+    makes an engine on CUDA issue its work on the caller's stream without synchronizing it."""
     directory = Path(artifact_dir)
-    manifest = read_manifest(directory)
-    if trusted_keys:
-        load_verifier([Path(p) for p in trusted_keys]).verify(manifest)
+    manifest = read_manifest(directory, load_verifier([Path(p) for p in trusted_keys])
+                             if trusted_keys else None)
     verify_blobs(directory, manifest)
     bundles = {ref.digest: directory / PLUGINS_DIRNAME / f"{ref.digest}.tar"
                for ref in manifest.plugins}
     plugins = load_plugins(manifest, bundles,
                            Path(plugin_dir) if plugin_dir else _default_plugin_dir())
-    return LoadedModel(load_executor(directory, manifest, plugins))
+    return LoadedModel(load_executor(directory, manifest, plugins, stream=stream))

@@ -36,6 +36,8 @@ class EmbeddedStack:
     processes: list[subprocess.Popen] = field(default_factory=list)
     #: The admin token minted by ``prepare``.
     token: str | None = None
+    #: The worker token minted by ``prepare`` for the stack's workers.
+    worker_token: str | None = None
     _env: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
@@ -45,8 +47,10 @@ class EmbeddedStack:
     def prepare(self) -> dict[str, str]:
         """Create the state folder, secret and signing key once; return the services' env."""
         from artifact_store import generate_keypair
-        from services.api.auth import Role, mint_token
+        from services.api.auth import ANY_KEY, DEFAULT_TOKEN_TTL_S, Role, mint_token
+        from services.config import KilnSettings
         from services.db import migrate
+        from services.signer import init_trust
 
         self.home = self.home.resolve()
         self.home.mkdir(parents=True, exist_ok=True)
@@ -57,6 +61,11 @@ class EmbeddedStack:
         key_file = self.home / "signing.key"
         if not key_file.exists():
             generate_keypair(key_file)
+        # The root key and root metadata version 1 naming the online key (agents get the
+        # root public key, $KILN_HOME/root.key.pub).
+        init_trust(KilnSettings(home=self.home, signing_key_path=key_file,
+                                root_key_path=self.home / "root.key",
+                                trust_dir=self.home / "trust"))
         env = {
             **os.environ,
             # The embedded defaults (SQLite, a local store, the filesystem broker) are dev's.
@@ -71,7 +80,13 @@ class EmbeddedStack:
             env.pop(name, None)  # the embedded defaults, under KILN_HOME ...
         env.update(self.overrides)  # ... unless told otherwise
         migrate(env.get("KILN_DATABASE_URL", f"sqlite:///{self.home / 'kiln.db'}"))
-        self.token = mint_token(env["KILN_SECRET_KEY"], role=Role.ADMIN, subject="kiln-up")
+        self.token = mint_token(env["KILN_SECRET_KEY"], role=Role.ADMIN, subject="kiln-up",
+                                ttl_s=DEFAULT_TOKEN_TTL_S)
+        # The stack's own workers build whatever their machine serves: a worker token for
+        # any key. They publish through the API, which alone holds the signing key.
+        self.worker_token = mint_token(env["KILN_SECRET_KEY"], role=Role.WORKER,
+                                       subject="kiln-up-worker", ttl_s=DEFAULT_TOKEN_TTL_S,
+                                       keys=[ANY_KEY])
         write_client_file(self.home, api_url=self.api_url, token=self.token)
         return env
 
@@ -83,16 +98,25 @@ class EmbeddedStack:
         self._spawn(self._api_argv(), env, log_dir / "api.log")
         cli = [sys.executable, "-m", "kiln.cli"]
         for i in range(self.workers):
-            self._spawn([*cli, "worker", "--name", f"embedded-{i}", *self.worker_args], env,
-                        log_dir / f"worker-{i}.log")
+            self._spawn([*cli, "worker", "--name", f"embedded-{i}", *self.worker_args],
+                        self.worker_env(), log_dir / f"worker-{i}.log")
         self.wait_healthy()
         if self.agent_labels is not None:
             self._spawn([*cli, "agent", "--api", self.api_url, "--token", self.token or "",
                          "--name", "local-agent", "--labels", self.agent_labels,
                          "--port", str(self.agent_port),
                          "--cache-dir", str(self.home / "agent-cache"),
-                         "--trusted-key", str(self.home / "signing.key.pub")],
+                         "--root-key", str(self.home / "root.key.pub")],
                         env, log_dir / "agent.log")
+
+    def worker_env(self) -> dict[str, str]:
+        """A worker's environment: the stack's, less the JWT secret and the signing key, plus
+        the API's URL and the worker token it publishes with."""
+        env = {k: v for k, v in self._env.items()
+               if k not in ("KILN_SECRET_KEY", "KILN_SIGNING_KEY_PATH")}
+        env["KILN_WORKER_API_URL"] = self.api_url
+        env["KILN_WORKER_TOKEN"] = self.worker_token or ""
+        return env
 
     @property
     def agent_url(self) -> str:
@@ -105,7 +129,7 @@ class EmbeddedStack:
     def add_worker(self, name: str, *args: str) -> subprocess.Popen:
         """Start one more compiler worker (e.g. ``--fingerprint-file`` to declare hardware)."""
         proc = self._popen([sys.executable, "-m", "kiln.cli", "worker", "--name", name, *args],
-                           self._env, self.home / "logs" / f"worker-{name}.log")
+                           self.worker_env(), self.home / "logs" / f"worker-{name}.log")
         self.processes.append(proc)
         return proc
 

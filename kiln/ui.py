@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kiln.client import KilnClient
 from schemas import CompileJob, JobStatus
+from schemas.errors import KilnError
 from schemas.tuning import CandidateOutcome, TuningTable
 
 
@@ -29,8 +32,35 @@ def progress_wait(
                 progress.update(bar, completed=j.progress, status=j.status.value,
                                 stage=j.stage.value)
 
-            finished.append(client.wait_job(job.id, timeout_s=timeout_s, on_update=update))
+            def retry(error: KilnError, delay: float, bar=bar) -> None:
+                progress.update(bar, status="API unavailable", stage=f"retrying in {delay:.1f} s")
+                progress.console.print(f"[yellow]the API is unavailable ({error.message}); "
+                                       f"retrying in {delay:.1f} s[/]")
+
+            finished.append(client.wait_job(job.id, timeout_s=timeout_s, on_update=update,
+                                            on_retry=retry))
     return finished
+
+
+#: Ids shown on a terminal keep at least this many characters.
+SHORT_ID = 12
+
+
+def short_ids(ids: Iterable[str], console: Console) -> Callable[[str | None], str]:
+    """How to print each of ``ids``: in full, unless ``console`` is a terminal; there each is
+    cut to the shortest prefix (at least ``SHORT_ID`` characters) that no other id shown
+    shares, so what a person copies still names one row (the API takes unique prefixes)."""
+    if not console.is_terminal:
+        return lambda value: value or ""
+    known = sorted(set(ids))
+    cut: dict[str, str] = {}
+    for value in known:
+        length = SHORT_ID
+        while length < len(value) and any(
+                other != value and other.startswith(value[:length]) for other in known):
+            length += 1
+        cut[value] = value if length >= len(value) else value[:length] + "…"
+    return lambda value: cut.get(value or "", value or "")
 
 
 def print_artifact(client: KilnClient, job: CompileJob, *, console: Console, err: Console) -> None:
@@ -55,7 +85,8 @@ def print_artifact(client: KilnClient, job: CompileJob, *, console: Console, err
         ("build-host latency", f"p50 {b.p50_ms:.3f} ms, p90 {b.p90_ms:.3f} ms"
                                + (f" (reference p50 {b.reference_p50_ms:.3f} ms)"
                                   if b.reference_p50_ms else "")),
-        ("signed by", manifest.signature.key_id if manifest.signature else "unsigned"),
+        ("signature", f"embedded, key id {manifest.signature.key_id}" if manifest.signature
+         else "stored as a signed envelope (GET /v1/artifacts/{id}/manifest)"),
     ]
     for row in rows:
         table.add_row(*row)

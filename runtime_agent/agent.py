@@ -1,12 +1,19 @@
 """The agent daemon: register, heartbeat, reconcile toward the desired state, serve.
 
-Two threads besides the inference server:
+Three threads besides the inference server:
 
 - the *control loop* registers (retrying with backoff while the control plane is unreachable)
   and then heartbeats every ``DesiredState.heartbeat_s`` with a ``ModelStatus`` per desired
-  model. Each answer is the desired state; a changed one is persisted and wakes the reconciler.
-  A heartbeat that fails changes nothing: the agent keeps serving and catches up when the
-  control plane answers again (re-registering if it forgot the agent).
+  model. While the long-poll works, a heartbeat is liveness only (``Prefer: return=minimal``);
+  otherwise each answer is the desired state. A heartbeat that fails changes nothing: the
+  agent keeps serving and catches up when the control plane answers again (re-registering if
+  it forgot the agent).
+- the *long-poll* holds ``GET /v1/agents/{name}/desired-state?after=<digest>&wait=<s>`` open
+  (``long_poll_s``), so a changed desired state arrives as soon as the control plane has it.
+  The agent asks for a fresh envelope (no ``after``) once half the one it holds has lived, so
+  it never goes stale while nothing changes. Errors back off (0.5 s doubling to 30 s); a
+  control plane without the route (an older one) leaves the heartbeat to bring the state.
+- a changed desired state is persisted and wakes the reconciler.
 - the *reconciler* moves each deployment to its desired artifact: fetch (verified cache) →
   fetch and load its custom-op plugins (bundles verified against the digests the signed
   manifest pins, cached by digest; refused when a native library's ABI does not match this
@@ -17,16 +24,24 @@ Two threads besides the inference server:
 
 At start the last persisted desired state is applied from the cache, so a restarted agent
 serves even while the control plane is unreachable.
+
+Desired state arrives signed (``runtime_agent.trust``): a state that no trusted key signed,
+that names another agent, rolls back to a lower version, or has expired is refused, and the
+agent keeps serving what it has (reporting why in its next heartbeat). An artifact whose
+manifest names another model than the desired state, or, at the ``exact`` tier, another
+fingerprint key, is refused the same way.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import signal
 import threading
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from runtime_agent import executors
@@ -36,14 +51,16 @@ from runtime_agent.control import ControlPlane
 from runtime_agent.errors import ControlPlaneUnreachable, HealthCheckFailed
 from runtime_agent.executors import (
     Executor,
+    blob_filename,
     load_executor,
     load_plugins,
     node_fingerprint_keys,
 )
 from runtime_agent.fingerprint import resolve_fingerprint
+from runtime_agent.golden import GOLDEN_BLOB, GoldenCheckFailed, check_golden
 from runtime_agent.plugins import LoadedPlugin
 from runtime_agent.samples import IntegerRange, numpy_dtype, sample_inputs
-from runtime_agent.server import ServerThread, create_app
+from runtime_agent.server import ReadyCheck, ServerThread, create_app
 from runtime_agent.serving import ModelTable, ServedModel
 from schemas.agents import (
     AgentHeartbeat,
@@ -54,13 +71,17 @@ from schemas.agents import (
     ModelStatus,
 )
 from schemas.errors import (
+    ConfigError,
     ErrorBody,
     ErrorCode,
     FingerprintMismatch,
     KilnError,
+    MetadataRefused,
+    SignatureInvalid,
 )
 from schemas.fingerprint import HardwareFingerprint
 from schemas.manifest import ArtifactManifest
+from schemas.rollouts import GateResult, RolloutReport
 
 if TYPE_CHECKING:
     from runtime_agent.grpc_server import GrpcServer
@@ -69,6 +90,8 @@ logger = logging.getLogger(__name__)
 
 #: Longest wait before a failed artifact is tried again, seconds.
 MAX_RETRY_S = 300.0
+#: Longest wait before the long-poll is tried again after an error, seconds.
+MAX_POLL_BACKOFF_S = 30.0
 
 
 def _loopback(host: str) -> bool:
@@ -103,17 +126,22 @@ class Agent:
     def __init__(self, settings: AgentSettings, *,
                  fingerprint: HardwareFingerprint | None = None) -> None:
         self.settings = settings
-        self.verifier = settings.verifier()
+        self.trust = settings.trust()
         if fingerprint is None:
             fingerprint = resolve_fingerprint(settings.fingerprint_file)
         self.fingerprint = fingerprint
         self.fingerprint_keys = node_fingerprint_keys(fingerprint)
         self.models = ModelTable()
         token = settings.serve_token.get_secret_value() if settings.serve_token else None
-        if token is None and settings.serve_port and not _loopback(settings.serve_host):
-            logger.warning("the inference server listens on %s without a token; set "
-                           "KILN_AGENT_SERVE_TOKEN", settings.serve_host)
-        self.app = create_app(self.models, max_body_bytes=settings.max_body_bytes, token=token)
+        listens = settings.serve_port or settings.grpc_port
+        if token is None and listens and not _loopback(settings.serve_host):
+            raise ConfigError(
+                f"the inference server would listen on {settings.serve_host} with no token: "
+                f"anyone who reaches the port could run the models; set "
+                f"KILN_AGENT_SERVE_TOKEN, or listen on 127.0.0.1 (KILN_AGENT_SERVE_HOST)")
+        self.app = create_app(self.models, max_body_bytes=settings.max_body_bytes,
+                              max_json_bytes=settings.max_json_bytes, token=token,
+                              readiness=self.readiness, trust=self.trust.status)
         self.cache = ArtifactCache(settings.cache_dir, settings.cache_max_bytes)
         self.control = ControlPlane(settings.api_url, settings.token,
                                     timeout_s=settings.request_timeout_s)
@@ -126,8 +154,28 @@ class Agent:
         self._desired: DesiredState | None = None
         self._progress: dict[str, _Progress] = {}
         self._failures: dict[tuple[str, str], _Failure] = {}
+        #: Rollout gate reports not delivered yet (the control plane was away): rollout id →
+        #: report, sent again at each reconcile pass until one goes through.
+        self._reports_due: dict[str, RolloutReport] = {}
+        #: (rollout id, artifact id) → the golden gate result of that engine on this node.
+        self._golden: dict[tuple[str, str], GateResult] = {}
         self._threads: list[threading.Thread] = []
         self._heartbeat_s = settings.heartbeat_s
+        #: Serialises the checks of signed desired state (heartbeat and long-poll threads).
+        self._accept_lock = threading.Lock()
+        self._accepted_at = 0.0
+        #: The long-poll answers (the heartbeat is then liveness only); cleared when the
+        #: control plane has no such route.
+        self.long_polling = threading.Event()
+        self._long_poll_missing = False
+        #: Content digest of the desired state held, and when (monotonic) to ask for a fresh
+        #: envelope of it regardless.
+        self._held_digest: str | None = None
+        #: The online key that signed it (the long-poll answers at once after a rotation).
+        self._held_key: str | None = None
+        self._refresh_at: datetime | None = None
+        #: Since when (monotonic) the control plane has not answered; ``None`` while it does.
+        self._offline_since: float | None = None
 
     # ---------------------------------------------------------------- life cycle
     def start(self) -> None:
@@ -156,11 +204,23 @@ class Agent:
                 raise
         saved = self.cache.load_state()
         if saved is not None:
-            logger.info("serving the persisted desired state (%d models) until the control "
-                        "plane answers", len(saved.models))
-            self._set_desired(saved, persist=False)
-        for target, name in ((self._control_loop, "kiln-agent-control"),
-                             (self._reconcile_loop, "kiln-agent-reconcile")):
+            try:
+                accepted = self.trust.verify(saved, None, allow_expired=True)
+            except KilnError as exc:
+                logger.error("not serving the persisted desired state: %s (%s)", exc.message,
+                             exc.code)
+            else:
+                logger.info("serving the persisted desired state (version %d, %d models%s) "
+                            "until the control plane answers", accepted.state.version,
+                            len(accepted.state.models),
+                            "; expired: stale" if self.trust.stale() else "")
+                self._held_key = _signing_key(accepted.envelope)
+                self._set_desired(accepted.state)
+        loops = [(self._control_loop, "kiln-agent-control"),
+                 (self._reconcile_loop, "kiln-agent-reconcile")]
+        if self.settings.long_poll_s > 0:
+            loops.append((self._long_poll_loop, "kiln-agent-long-poll"))
+        for target, name in loops:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -199,6 +259,41 @@ class Agent:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    # ---------------------------------------------------------------- readiness
+    def readiness(self) -> dict[str, ReadyCheck]:
+        """``/readyz``'s agent checks: ``deployments`` (a deployment whose engine failed to
+        load and that nothing serves is not ready) and ``control_plane`` (unreachable for
+        longer than ``ready_offline_s`` with nothing cached to serve is not ready)."""
+        with self._lock:
+            desired = self._desired
+            progress = dict(self._progress)
+        failed = [f"{name} (artifact {entry.target}: "
+                  f"{entry.error.message if entry.error else 'failed'})"
+                  for name, entry in progress.items()
+                  if entry.state is ModelState.FAILED and self.models.find(name) is None]
+        wanted = len(desired.models) if desired else 0
+        deployments = (ReadyCheck(False, "failed", "failed, nothing serves: " + "; ".join(failed))
+                       if failed else ReadyCheck(True, "ok", f"{wanted} desired, "
+                                                 f"{len(self.models.names())} serving"))
+        since = self._offline_since
+        if since is None:
+            control = (ReadyCheck(True, "reachable", "answering") if self.registered.is_set()
+                       else ReadyCheck(True, "connecting", "not contacted yet"))
+        else:
+            offline = time.monotonic() - since
+            cached = desired is not None
+            if cached:
+                control = ReadyCheck(True, "unreachable", f"unreachable for {offline:.0f} s; "
+                                     f"serving the cached desired state")
+            elif offline > self.settings.ready_offline_s:
+                control = ReadyCheck(False, "unreachable", f"unreachable for {offline:.0f} s "
+                                     f"(over {self.settings.ready_offline_s:g} s) and nothing is "
+                                     f"cached to serve")
+            else:
+                control = ReadyCheck(True, "unreachable", f"unreachable for {offline:.0f} s "
+                                     f"(not ready after {self.settings.ready_offline_s:g} s)")
+        return {"deployments": deployments, "control_plane": control}
+
     # ---------------------------------------------------------------- control plane
     def registration(self) -> AgentRegistration:
         """What ``POST /v1/agents`` carries."""
@@ -231,22 +326,66 @@ class Agent:
                 requests=served.stats.count if served else 0,
                 p50_ms=served.stats.percentile_ms(50) if served else None,
             ))
-        return AgentHeartbeat(models=statuses)
+        return AgentHeartbeat(models=statuses, trust=self.trust.status())
+
+    def _accept(self, envelope: bytes, sent_at: float | None = None) -> DesiredState | None:
+        """The desired state in ``envelope`` once it passes every check; ``None`` (logged,
+        reported in the next heartbeat) when it is refused: what serves keeps serving.
+
+        ``sent_at`` (monotonic): when the request it answers was sent. An envelope older than
+        one accepted while that request was in flight (a heartbeat's answer crossing the
+        long-poll's) is dropped quietly: it is not applied, and it is no attack either."""
+        with self._accept_lock:
+            try:
+                if self.trust.uses_root and self.trust.root_version is None:
+                    self.trust.refresh(self.control)
+                accepted = self.trust.verify(envelope, self.control)
+            except ControlPlaneUnreachable:
+                raise
+            except MetadataRefused as exc:
+                crossed = (sent_at is not None and self._accepted_at > sent_at
+                           and exc.details.get("reason") == "rollback"
+                           and exc.details.get("version", 0) < exc.details.get("highest_seen", 0))
+                if crossed:
+                    logger.debug("dropped desired state version %s: a newer one was accepted "
+                                 "while it was on its way", exc.details.get("version"))
+                    return None
+                self.trust.refuse(exc)
+                logger.error("refused the desired state from %s: %s (%s); still serving %s",
+                             self.settings.api_url, exc.message, exc.code,
+                             self.models.names() or "nothing")
+                return None
+            except KilnError as exc:
+                self.trust.refuse(exc)
+                logger.error("refused the desired state from %s: %s (%s); still serving %s",
+                             self.settings.api_url, exc.message, exc.code,
+                             self.models.names() or "nothing")
+                return None
+            self.cache.save_state(accepted.envelope)
+            self._accepted_at = time.monotonic()
+            self._held_key = _signing_key(accepted.envelope)
+            return accepted.state
 
     def _control_loop(self) -> None:
         delay, offline_since = 0.5, None
         while not self._stop.is_set():
+            sent_at = time.monotonic()
             try:
                 if not self.registered.is_set():
-                    desired = self.control.register(self.registration())
+                    envelope = self.control.register(self.registration())
                     self.registered.set()
                     logger.info("registered with %s as %s", self.settings.api_url,
                                 self.settings.name)
                 else:
-                    desired = self.control.heartbeat(self.settings.name, self.heartbeat_payload())
+                    polling = self.long_polling.is_set()
+                    envelope = self.control.heartbeat(self.settings.name,
+                                                      self.heartbeat_payload(), minimal=polling)
+                    if polling:  # the long-poll brings the desired state
+                        envelope = None
+                desired = self._accept(envelope, sent_at) if envelope is not None else None
             except ControlPlaneUnreachable as exc:
                 if offline_since is None:
-                    offline_since = time.monotonic()
+                    offline_since = self._offline_since = time.monotonic()
                     logger.warning("control plane unreachable (%s); serving from the cache and "
                                    "retrying", exc.message)
                 wait, delay = min(delay, self._heartbeat_s), min(delay * 2, self._heartbeat_s)
@@ -268,20 +407,85 @@ class Agent:
                 if offline_since is not None:
                     logger.info("control plane reachable again after %.0fs",
                                 time.monotonic() - offline_since)
-                    offline_since = None
+                    offline_since = self._offline_since = None
                 delay = 0.5
-                self._heartbeat_s = desired.heartbeat_s
-                self._set_desired(desired)
-                wait = desired.heartbeat_s
+                if desired is not None:
+                    self._heartbeat_s = desired.heartbeat_s
+                    self._set_desired(desired)
+                wait = self._heartbeat_s
+                self.serving_gates()
             self._stop.wait(wait)
 
-    def _set_desired(self, desired: DesiredState, *, persist: bool = True) -> None:
+    def _long_poll_loop(self) -> None:
+        """Hold the long-poll of the desired state (see the module docstring)."""
+        delay = 0.5
+        wait_s = self.settings.long_poll_s
+        while not self._stop.is_set():
+            if not self.registered.wait(0.5):
+                continue
+            with self._lock:
+                # Until the envelope held is half-way to expiry: wait for a change; then ask
+                # for a fresh envelope of the same state.
+                left = ((self._refresh_at - datetime.now(UTC)).total_seconds()
+                        if self._refresh_at is not None else 0.0)
+                after = self._held_digest if left > 0 else None
+            sent_at = time.monotonic()
+            try:
+                envelope = self.control.desired_state(
+                    self.settings.name, after=after, key=self._held_key,
+                    wait_s=round(min(wait_s, left), 3) if after is not None else 0.0)
+            except KilnError as exc:
+                if _route_missing(exc):
+                    logger.warning("the control plane at %s has no long-poll of the desired "
+                                   "state (%s); following it by heartbeat only",
+                                   self.settings.api_url, exc.message)
+                    self._long_poll_missing = True
+                    self.long_polling.clear()
+                    return
+                if exc.code is ErrorCode.INVALID_REQUEST and "max_wait_s" in exc.details:
+                    wait_s = min(wait_s, float(exc.details["max_wait_s"]))
+                    logger.warning("long-poll wait lowered to %g s: %s", wait_s, exc.message)
+                    continue
+                # Unreachable, or refused (an unknown agent registers again by heartbeat):
+                # the heartbeat brings the desired state meanwhile.
+                self.long_polling.clear()
+                if not exc.transient:
+                    logger.warning("long-poll of the desired state failed: %s (%s); retrying "
+                                   "in %.1f s", exc.message, exc.code, delay)
+                self._stop.wait(delay)
+                delay = min(delay * 2, MAX_POLL_BACKOFF_S)
+                continue
+            except Exception:
+                logger.exception("long-poll error")
+                self.long_polling.clear()
+                self._stop.wait(delay)
+                delay = min(delay * 2, MAX_POLL_BACKOFF_S)
+                continue
+            delay = 0.5
+            self.long_polling.set()
+            if envelope is None:
+                continue
+            try:
+                desired = self._accept(envelope, sent_at)
+            except ControlPlaneUnreachable:
+                self._stop.wait(delay)
+                continue
+            if desired is not None:
+                self._heartbeat_s = desired.heartbeat_s
+                self._set_desired(desired)
+            else:  # refused (logged): do not ask again at once
+                self._stop.wait(delay)
+                delay = min(delay * 2, MAX_POLL_BACKOFF_S)
+
+    def _set_desired(self, desired: DesiredState) -> None:
+        refresh_at = (desired.issued_at + (desired.expires - desired.issued_at) / 2
+                      if desired.expires and desired.issued_at else None)
         with self._lock:
             changed = self._desired is None or self._desired.models != desired.models
             self._desired = desired
+            self._held_digest = desired.content_digest()
+            self._refresh_at = refresh_at
         if changed:
-            if persist:
-                self.cache.save_state(desired)
             logger.info("desired state: %s", {m.deployment: m.artifact_id for m in desired.models})
             self._wake.set()
 
@@ -309,6 +513,7 @@ class Agent:
 
     def reconcile(self, desired: DesiredState) -> None:
         """One pass toward ``desired`` (blocking; the reconciler thread calls it)."""
+        self._send_reports()
         for wanted in desired.models:
             if self._stop.is_set():
                 return
@@ -348,13 +553,15 @@ class Agent:
         self._report(name, ModelState.DOWNLOADING, artifact_id)
         try:
             with self.cache.pinned(artifact_id):
-                path = self.cache.fetch(artifact_id, self.control, self.verifier)
+                path = self._fetch(artifact_id)
                 self._report(name, ModelState.LOADING, artifact_id)
                 manifest = self.cache.read_manifest(artifact_id)
+                check_matches(manifest, wanted)
                 self.check_runnable(manifest)
                 plugins = self.load_plugins(manifest)
                 executor = load_executor(path, manifest, plugins)
                 health_check(executor)
+                self.golden_gate(executor, path, wanted)
                 self.cache.pin(artifact_id)  # held while it serves
         except Exception as exc:
             self._failed(name, artifact_id, exc)
@@ -367,6 +574,105 @@ class Agent:
         self._report(name, ModelState.SERVING)
         logger.info("%s now serves artifact %s (%s)%s", name, artifact_id, wanted.tier,
                     f"; replaced {old.artifact_id}" if old else "")
+
+    def golden_gate(self, executor: Executor, path, wanted: DesiredModel) -> None:
+        """Run the artifact's golden check (when it carries one) before the engine serves;
+        report it, with the p50 of those runs against the manifest's benchmark, to the
+        rollout this agent is admitted to. ``GoldenCheckFailed`` when it fails: the engine is
+        never served, and what served before keeps serving."""
+        manifest = executor.manifest
+        ref = next((b for b in manifest.blobs if b.name == GOLDEN_BLOB), None)
+        failure: GoldenCheckFailed | None = None
+        if ref is not None:
+            try:
+                result = check_golden(executor, path / blob_filename(ref))
+                golden = GateResult(name="golden", passed=True,
+                                    worst_index=result.worst_index,
+                                    max_abs_error=result.max_abs_error,
+                                    max_rel_error=result.max_rel_error)
+                p50_ms = result.p50_ms
+            except GoldenCheckFailed as exc:
+                failure, d = exc, exc.details
+                golden = GateResult(name="golden", passed=False, worst_index=d["worst_index"],
+                                    max_abs_error=_finite(d["max_abs_error"]),
+                                    max_rel_error=_finite(d["max_rel_error"]),
+                                    detail=exc.message[:1000])
+                p50_ms = d["p50_ms"]
+        else:
+            golden = GateResult(name="golden", passed=True,
+                                detail="the artifact carries no golden samples")
+            p50_ms = None
+        if p50_ms is not None:
+            golden = golden.model_copy(update={"p50_ms": p50_ms})
+        if wanted.rollout_id is not None:
+            with self._lock:
+                self._golden[(wanted.rollout_id, manifest.artifact_id)] = golden
+            gates = [golden]
+            if p50_ms is not None and manifest.benchmark.p50_ms > 0:
+                gates.append(GateResult(name="latency", passed=True, p50_ms=p50_ms,
+                                        benchmark_p50_ms=manifest.benchmark.p50_ms))
+            with self._lock:
+                self._reports_due[wanted.rollout_id] = RolloutReport(
+                    agent=self.settings.name, artifact_id=manifest.artifact_id, gates=gates)
+            self._send_reports()
+        if failure is not None:
+            raise failure
+
+    def serving_gates(self) -> None:
+        """With each heartbeat: for every model admitted to a rollout and serving its engine,
+        report what it served since it started (requests, errors, p50) beside its golden
+        result, so the rollout's error-rate and latency gates see live traffic."""
+        with self._lock:
+            desired = self._desired
+        for wanted in desired.models if desired is not None else []:
+            served = self.models.find(wanted.deployment)
+            if (wanted.rollout_id is None or served is None
+                    or served.artifact_id != wanted.artifact_id):
+                continue
+            stats = served.stats.snapshot()
+            with self._lock:
+                golden = self._golden.get((wanted.rollout_id, served.artifact_id))
+            if golden is None:
+                continue
+            gates = [golden, GateResult(name="error_rate", passed=True,
+                                        requests=int(stats["count"] or 0),
+                                        errors=int(stats["errors"] or 0))]
+            p50 = stats["p50_ms"] if stats["p50_ms"] is not None else golden.p50_ms
+            if p50 is not None and served.manifest.benchmark.p50_ms > 0:
+                gates.append(GateResult(name="latency", passed=True, p50_ms=p50,
+                                        benchmark_p50_ms=served.manifest.benchmark.p50_ms))
+            with self._lock:
+                self._reports_due[wanted.rollout_id] = RolloutReport(
+                    agent=self.settings.name, artifact_id=served.artifact_id, gates=gates)
+        self._send_reports()
+
+    def _send_reports(self) -> None:
+        with self._lock:
+            due = dict(self._reports_due)
+        for rollout_id, report in due.items():
+            try:
+                self.control.report_rollout(rollout_id, report)
+            except ControlPlaneUnreachable:
+                logger.warning("rollout %s: control plane unreachable; the gate report is "
+                               "sent again at the next pass", rollout_id)
+                continue
+            except KilnError as exc:  # the rollout ended meanwhile: nothing to report to
+                logger.info("rollout %s took no report (%s: %s)", rollout_id, exc.code,
+                            exc.message)
+            with self._lock:
+                if self._reports_due.get(rollout_id) is report:
+                    del self._reports_due[rollout_id]
+
+    def _fetch(self, artifact_id: str):
+        """The verified cache entry of ``artifact_id``; a manifest signed by a key this agent
+        does not trust yet makes it refresh the root metadata (a rotated online key) and try
+        once more."""
+        try:
+            return self.cache.fetch(artifact_id, self.control, self.trust.verifier())
+        except SignatureInvalid:
+            if not self.trust.refresh(self.control):
+                raise
+            return self.cache.fetch(artifact_id, self.control, self.trust.verifier())
 
     def _failed(self, name: str, artifact_id: str, exc: Exception) -> None:
         error = exc if isinstance(exc, KilnError) else KilnError(
@@ -420,6 +726,46 @@ class Agent:
                 artifact_id=manifest.artifact_id, artifact_key=manifest.fingerprint_key,
                 node_keys=self.fingerprint_keys,
             )
+
+
+def _signing_key(envelope: bytes) -> str | None:
+    """The id of the key that signed a (verified) desired-state envelope."""
+    try:
+        return str(json.loads(envelope)["signatures"][0]["keyid"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def _route_missing(exc: KilnError) -> bool:
+    """Whether a long-poll error says the control plane has no such route (an older one): a
+    404 that names no agent (an unknown agent's names it), or a 404/405 without a Kiln
+    error body."""
+    if exc.code is ErrorCode.NOT_FOUND:
+        return "agent" not in exc.details
+    return exc.details.get("status") in (404, 405)
+
+
+def check_matches(manifest: ArtifactManifest, wanted: DesiredModel) -> None:
+    """Refuse an artifact that is not what the signed desired state asked for: another model
+    (``model_mismatch``), or at the ``exact`` tier another fingerprint key."""
+    if manifest.model_sha256 != wanted.model_id:
+        raise MetadataRefused(
+            f"artifact {manifest.artifact_id} is an engine of model {manifest.model_sha256}; "
+            f"the signed desired state for deployment {wanted.deployment!r} names model "
+            f"{wanted.model_id}", reason="model_mismatch", artifact_id=manifest.artifact_id,
+            deployment=wanted.deployment)
+    if (wanted.tier == "exact" and wanted.fingerprint_key is not None
+            and manifest.fingerprint_key != wanted.fingerprint_key):
+        raise MetadataRefused(
+            f"artifact {manifest.artifact_id} was built for fingerprint key "
+            f"{manifest.fingerprint_key!r}; the signed desired state for deployment "
+            f"{wanted.deployment!r} wants an exact engine for {wanted.fingerprint_key!r}",
+            reason="fingerprint_mismatch", artifact_id=manifest.artifact_id,
+            deployment=wanted.deployment)
+
+
+def _finite(value: float) -> float | None:
+    return value if value == value and value != float("inf") else None
 
 
 def health_check(executor: Executor) -> None:

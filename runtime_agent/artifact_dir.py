@@ -10,30 +10,38 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from artifact_store.digest import sha256_file
-from artifact_store.signing import Verifier
+from artifact_store.signing import Verifier, manifest_from_bytes
 from runtime_agent.executors import MANIFEST_FILENAME, Executor, blob_filename, load_executor
-from schemas.errors import IntegrityError, InvalidRequest
+from schemas.errors import IntegrityError, InvalidRequest, KilnError
 from schemas.manifest import ArtifactManifest
 
 logger = logging.getLogger(__name__)
 
 
-def read_manifest(directory: Path) -> ArtifactManifest:
-    """The manifest of the artifact directory; ``InvalidRequest`` when missing or invalid."""
+def manifest_bytes(directory: Path) -> bytes:
+    """The stored manifest of the artifact directory (what its signature covers)."""
     path = Path(directory) / MANIFEST_FILENAME
     try:
-        return ArtifactManifest.model_validate_json(path.read_bytes())
+        return path.read_bytes()
     except OSError as exc:
         raise InvalidRequest(
             f"{directory} is not an artifact directory: cannot read {path} "
             f"({exc.strerror or exc})", path=str(path),
         ) from exc
-    except ValidationError as exc:
-        raise InvalidRequest(f"{path} is not a valid artifact manifest: {exc}",
-                             path=str(path)) from exc
+
+
+def read_manifest(directory: Path, verifier: Verifier | None = None) -> ArtifactManifest:
+    """The manifest of the artifact directory, its signature checked over the stored bytes
+    when a ``verifier`` is given; ``InvalidRequest`` when missing or not a manifest."""
+    data = manifest_bytes(directory)
+    if verifier is not None:
+        return verifier.verify_manifest(data)
+    path = Path(directory) / MANIFEST_FILENAME
+    try:
+        return manifest_from_bytes(data, what=str(path))
+    except KilnError as exc:
+        raise InvalidRequest(exc.message, path=str(path)) from exc
 
 
 def verify_blobs(directory: Path, manifest: ArtifactManifest) -> None:
@@ -58,9 +66,7 @@ def verify_blobs(directory: Path, manifest: ArtifactManifest) -> None:
 def load_artifact(directory: Path, verifier: Verifier | None = None) -> Executor:
     """Check the artifact in ``directory`` (signature when ``verifier`` is given, then every
     blob's sha256) and load it with the executor of its backend."""
-    manifest = read_manifest(directory)
-    if verifier is not None:
-        verifier.verify(manifest)
+    manifest = read_manifest(directory, verifier)
     verify_blobs(directory, manifest)
     logger.debug("artifact %s in %s verified; loading", manifest.artifact_id, directory)
     return load_executor(Path(directory), manifest)

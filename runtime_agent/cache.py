@@ -8,7 +8,10 @@ Layout under ``root``::
     staging/<artifact_id>/     a download in progress (resumed by the next fetch)
     staging/plugin-<digest>/   a bundle download in progress
     index.json                 size and last use of every entry (written atomically)
-    state.json                 the last desired state, to serve from after a restart offline
+    state.json                 the last accepted desired state (its signed envelope), to serve
+                               from after a restart offline
+    trust/                     root.json (the trusted root metadata) and state.json (the
+                               highest desired-state version accepted): ``runtime_agent.trust``
     .lock                      held by the one agent that uses this cache
 
 An entry becomes visible only once its manifest's signature and every blob's sha256 have been
@@ -35,14 +38,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
-from pydantic import ValidationError
-
 from artifact_store.digest import sha256_file
 from artifact_store.signing import Verifier
 from runtime_agent.artifact_dir import read_manifest, verify_blobs
 from runtime_agent.executors import MANIFEST_FILENAME, blob_filename
-from schemas.agents import DesiredState
-from schemas.errors import ConfigError, IntegrityError, InvalidRequest, KilnError
+from schemas.errors import (
+    ConfigError,
+    IntegrityError,
+    InvalidRequest,
+    KilnError,
+    SignatureInvalid,
+)
 from schemas.manifest import ArtifactManifest, BlobRef
 from schemas.plugins import PluginRef
 
@@ -59,7 +65,7 @@ PLUGINS_DIRNAME = "plugins"
 class BlobSource(Protocol):
     """Where ``fetch`` gets manifests and blobs (``runtime_agent.control.ControlPlane``)."""
 
-    def manifest(self, artifact_id: str) -> ArtifactManifest: ...
+    def manifest(self, artifact_id: str) -> bytes: ...
 
     def download_blob(self, artifact_id: str, ref: BlobRef, dest: Path) -> Path: ...
 
@@ -337,13 +343,11 @@ class ArtifactCache:
             return False
         path = self.path(artifact_id)
         try:
-            manifest = read_manifest(path)
+            manifest = read_manifest(path, verifier)
             if manifest.artifact_id != artifact_id:
                 raise IntegrityError(
                     f"cached manifest in {path} is for artifact {manifest.artifact_id}"
                 )
-            if verifier is not None:
-                verifier.verify(manifest)
             verify_blobs(path, manifest)
         except KilnError as exc:
             logger.warning("cached artifact %s is damaged (%s); dropping it", artifact_id,
@@ -351,6 +355,31 @@ class ArtifactCache:
             self.drop(artifact_id)
             return False
         return True
+
+    def _refresh_signature(self, artifact_id: str, source: BlobSource,
+                           verifier: Verifier) -> None:
+        """A cached entry that no trusted key signs any more (the online key was rotated and
+        the store re-signed) gets the control plane's manifest instead, when a trusted key
+        signed that one and it describes the very same artifact: its blobs stay, nothing is
+        downloaded again."""
+        if artifact_id not in self:
+            return
+        path = self.path(artifact_id)
+        try:
+            read_manifest(path, verifier)
+            return
+        except SignatureInvalid:
+            pass
+        except KilnError:
+            return  # damaged otherwise: ``verify`` drops it
+        signed = source.manifest(artifact_id)
+        if verifier.verify_manifest(signed, artifact_id=artifact_id) != read_manifest(path):
+            return
+        tmp = path / f".{MANIFEST_FILENAME}.tmp"
+        tmp.write_bytes(signed)
+        os.replace(tmp, path / MANIFEST_FILENAME)
+        logger.info("cached artifact %s: took its manifest as re-signed by key ids %s",
+                    artifact_id, verifier.key_ids)
 
     @contextmanager
     def _fetch_lock(self, artifact_id: str) -> Iterator[None]:
@@ -363,22 +392,20 @@ class ArtifactCache:
         """The verified directory of ``artifact_id``, downloading it when not cached (or when
         the cached entry no longer verifies).
 
-        The manifest must carry a signature by a trusted key (``SignatureInvalid``) and name
-        ``artifact_id``; blobs must match it (``IntegrityError``). Raises whatever ``source``
-        raises when it cannot deliver (``ControlPlaneUnreachable`` offline).
+        The manifest's stored bytes must carry a signature by a trusted key
+        (``SignatureInvalid``), checked before they are parsed, and name ``artifact_id``; blobs
+        must match it (``IntegrityError``). The verified bytes are kept as they arrived.
+        Raises whatever ``source`` raises when it cannot deliver (``ControlPlaneUnreachable``
+        offline).
         """
         final = self.path(artifact_id)
         with self._fetch_lock(artifact_id):
+            self._refresh_signature(artifact_id, source, verifier)
             if self.verify(artifact_id, verifier):
                 self.touch(artifact_id)
                 return final
-            manifest = source.manifest(artifact_id)
-            if manifest.artifact_id != artifact_id:
-                raise IntegrityError(
-                    f"asked for the manifest of artifact {artifact_id} and got one for "
-                    f"{manifest.artifact_id}", expected=artifact_id, got=manifest.artifact_id,
-                )
-            verifier.verify(manifest)
+            signed = source.manifest(artifact_id)
+            manifest = verifier.verify_manifest(signed, artifact_id=artifact_id)
             staging = self._staging / artifact_id
             staging.mkdir(exist_ok=True)
             wanted = {blob_filename(ref) for ref in manifest.blobs}
@@ -396,7 +423,7 @@ class ArtifactCache:
                     logger.info("downloading blob %s of artifact %s (%d bytes)", ref.name,
                                 artifact_id, ref.size)
                     source.download_blob(artifact_id, ref, staging / blob_filename(ref))
-            (staging / MANIFEST_FILENAME).write_text(manifest.model_dump_json(indent=2) + "\n")
+            (staging / MANIFEST_FILENAME).write_bytes(signed)
             if final.exists():  # an orphan (not in the index): replaced by the verified copy
                 shutil.rmtree(final)
             os.rename(staging, final)
@@ -409,17 +436,18 @@ class ArtifactCache:
         return final
 
     # ---------------------------------------------------------------- desired state
-    def save_state(self, desired: DesiredState) -> None:
-        """Persist the last desired state (what to serve after a restart with no control plane)."""
-        _write_json_atomic(self.root / STATE_FILENAME, desired.model_dump(mode="json"))
+    def save_state(self, envelope: bytes) -> None:
+        """Persist the last accepted desired state, as the signed envelope it came in (what
+        to serve after a restart with no control plane; checked again when read)."""
+        tmp = self.root / f".{STATE_FILENAME}.tmp"
+        tmp.write_bytes(envelope)
+        os.replace(tmp, self.root / STATE_FILENAME)
 
-    def load_state(self) -> DesiredState | None:
-        """The persisted desired state, or ``None`` when there is none (or it is unreadable)."""
+    def load_state(self) -> bytes | None:
+        """The persisted desired-state envelope, or ``None`` when there is none."""
         path = self.root / STATE_FILENAME
-        if not path.exists():
-            return None
         try:
-            return DesiredState.model_validate_json(path.read_bytes())
-        except (OSError, ValidationError) as exc:
+            return path.read_bytes() if path.exists() else None
+        except OSError as exc:
             logger.warning("ignoring the unreadable desired state %s: %s", path, exc)
             return None

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from artifact_store.signing import Verifier, load_verifier
+from runtime_agent.trust import AgentTrust
 from schemas.agents import AGENT_NAME_PATTERN
 from schemas.deployments import LABEL_KEY_PATTERN
 from schemas.errors import ConfigError
@@ -64,7 +64,7 @@ class AgentSettings(BaseSettings):
 
     #: The control plane.
     api_url: str = "http://127.0.0.1:8000"
-    #: Bearer token with the ``agent`` role (``kiln token --role agent``).
+    #: Bearer token with the ``agent`` role (``kiln token create --role agent --agent NAME``).
     token: str | None = None
     #: The agent's name in the fleet; default: the host name.
     name: str = Field(default_factory=_default_name, pattern=AGENT_NAME_PATTERN)
@@ -76,6 +76,10 @@ class AgentSettings(BaseSettings):
     cache_max_bytes: int = Field(10 * GiB, ge=0)
     #: Heartbeat period until the control plane names its own.
     heartbeat_s: float = Field(5.0, gt=0)
+    #: How long each long-poll of the desired state waits for a change, seconds (at most the
+    #: control plane's `KILN_DESIRED_STATE_MAX_WAIT_S`); 0: no long-poll, the heartbeat's
+    #: answer brings the desired state.
+    long_poll_s: float = Field(30.0, ge=0)
     #: Address the inference server (HTTP and gRPC) listens on.
     serve_host: str = "127.0.0.1"
     #: The inference server's port; 0 runs no server.
@@ -85,17 +89,30 @@ class AgentSettings(BaseSettings):
     grpc_port: int = Field(0, ge=0, le=65535)
     #: The URL reported to the control plane; default ``http://<serve_host>:<serve_port>``.
     advertise_url: str | None = None
-    #: When set, every inference-server route but ``/healthz`` needs
-    #: ``Authorization: Bearer <token>``. Set it whenever ``serve_host`` is not loopback.
+    #: When set, every inference-server route but the health probes needs
+    #: ``Authorization: Bearer <token>``. Required when ``serve_host`` is not loopback (the
+    #: agent refuses to start without it).
     serve_token: SecretStr | None = None
     #: A declared ``HardwareFingerprint`` (JSON) instead of detection.
     fingerprint_file: Path | None = None
-    #: Ed25519 public keys (PEM files); a manifest no trusted key signed is never loaded.
+    #: Root public keys (Ed25519, PEM files): the agent follows the control plane's root
+    #: metadata from them to the current online key, so rotating that key needs no change
+    #: here (the embedded stack's is ``$KILN_HOME/root.key.pub``).
+    root_keys: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    #: Online public keys (PEM files) trusted directly instead: nothing else signs what this
+    #: agent runs, and a rotated key must be configured here by hand.
     trusted_keys: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     #: Largest inference request body (JSON or npz, also after decompression).
     max_body_bytes: int = Field(64 * MiB, ge=1)
+    #: Largest JSON in an inference request (a JSON body, or the JSON header of the binary
+    #: extension): parsed JSON takes many times its size in memory, so send large tensors as
+    #: npz or binary data.
+    max_json_bytes: int = Field(16 * MiB, ge=1)
     #: Timeout of each HTTP call to the control plane (and of each blob read).
     request_timeout_s: float = Field(30.0, gt=0)
+    #: ``/readyz`` answers 503 once the control plane has been unreachable this long while
+    #: nothing is cached to serve (with a cached desired state the agent serves on, ready).
+    ready_offline_s: float = Field(30.0, gt=0)
     #: Python logging level of the agent.
     log_level: str = "INFO"
 
@@ -104,7 +121,7 @@ class AgentSettings(BaseSettings):
     def _labels(cls, value: Any) -> Any:
         return parse_labels(value) if isinstance(value, str) else value
 
-    @field_validator("trusted_keys", mode="before")
+    @field_validator("trusted_keys", "root_keys", mode="before")
     @classmethod
     def _trusted_keys(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -126,16 +143,18 @@ class AgentSettings(BaseSettings):
             host = socket.gethostname()
         return f"http://{f'[{host}]' if ':' in host else host}:{self.serve_port}"
 
-    def verifier(self) -> Verifier:
-        """The trusted keys, loaded; ``ConfigError`` when none are given or one cannot load."""
-        if not self.trusted_keys:
+    def trust(self) -> AgentTrust:
+        """The keys, loaded, and the agent's trust record in its cache; ``ConfigError`` when
+        no key is given or one cannot load."""
+        if not self.trusted_keys and not self.root_keys:
             raise ConfigError(
-                "the agent loads only artifacts whose manifest a trusted key signed, and no "
-                "trusted key is configured: set KILN_AGENT_TRUSTED_KEYS (paths of Ed25519 "
-                "public keys, PEM) or pass --trusted-key (the embedded stack's key is "
-                "$KILN_HOME/signing.key.pub)"
+                "the agent follows only desired state and artifacts that a trusted key "
+                "signed, and no trusted key is configured: set KILN_AGENT_ROOT_KEYS (root public "
+                "keys, PEM; pass --root-key) or KILN_AGENT_TRUSTED_KEYS (online keys; "
+                "--trusted-key). The embedded stack's root key is $KILN_HOME/root.key.pub"
             )
-        return load_verifier(list(self.trusted_keys))
+        return AgentTrust(self.cache_dir / "trust", root_keys=list(self.root_keys),
+                          trusted_keys=list(self.trusted_keys), agent=self.name)
 
 
 @lru_cache

@@ -1,9 +1,14 @@
 """The agent's HTTP client of the control plane.
 
 =====================================  ==========================================
-``register(registration)``             ``POST /v1/agents`` → ``DesiredState``
-``heartbeat(name, beat)``              ``POST /v1/agents/{name}/heartbeat`` → ``DesiredState``
-``manifest(artifact_id)``              ``GET /v1/artifacts/{id}`` → its ``"manifest"``
+``register(registration)``             ``POST /v1/agents`` → signed desired state (bytes)
+``heartbeat(name, beat)``              ``POST /v1/agents/{name}/heartbeat`` → the same
+                                       (``minimal``: liveness only, ``None``)
+``desired_state(name, after, wait)``   ``GET /v1/agents/{name}/desired-state`` (long-poll)
+                                       → the same, or ``None`` when nothing changed
+``root_metadata(version)``             ``GET /v1/trust/root/{version}`` → TUF root metadata
+``manifest(artifact_id)``              ``GET /v1/artifacts/{id}/manifest`` → the signed
+                                       envelope, byte for byte
 ``download_blob(artifact_id, ref, p)`` ``GET /v1/artifacts/{id}/blobs/{name}`` (Range, 307)
 ``plugin_bundle(ref, p)``              ``GET /v1/plugins/{name}/{version}`` (size, digest),
                                        then ``GET .../bundle`` (Range, 307)
@@ -21,14 +26,14 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
-from pydantic import ValidationError
 
 from runtime_agent.download import download
 from runtime_agent.errors import ControlPlaneUnreachable, error_from_response
-from schemas.agents import AgentHeartbeat, AgentRegistration, DesiredState
+from schemas.agents import AgentHeartbeat, AgentRegistration
 from schemas.errors import IntegrityError, KilnError
-from schemas.manifest import ArtifactManifest, BlobRef
+from schemas.manifest import BlobRef
 from schemas.plugins import PluginRef
+from schemas.rollouts import RolloutReport
 
 logger = logging.getLogger(__name__)
 
@@ -69,36 +74,49 @@ class ControlPlane:
             raise error_from_response(response, f"{method} {path}")
         return response
 
-    def _desired(self, response: httpx.Response) -> DesiredState:
-        try:
-            return DesiredState.model_validate_json(response.content)
-        except ValidationError as exc:
-            raise KilnError(
-                f"the control plane at {self.api_url} answered with something other than a "
-                f"DesiredState: {exc}"
-            ) from exc
+    def register(self, registration: AgentRegistration) -> bytes:
+        """``POST /v1/agents``: introduce this agent; returns what it should serve, as a
+        signed envelope (``runtime_agent.trust`` checks it)."""
+        return self._call("POST", "/v1/agents", json=registration.model_dump(mode="json")).content
 
-    def register(self, registration: AgentRegistration) -> DesiredState:
-        """``POST /v1/agents``: introduce this agent; returns what it should serve."""
-        response = self._call("POST", "/v1/agents", json=registration.model_dump(mode="json"))
-        return self._desired(response)
+    def report_rollout(self, rollout_id: str, report: RolloutReport) -> None:
+        """``POST /v1/rollouts/{id}/reports``: the gates this agent measured on the rollout's
+        engine (a failing one halts its cohort at once)."""
+        self._call("POST", f"/v1/rollouts/{_segment(rollout_id)}/reports",
+                   json=report.model_dump(mode="json"))
 
-    def heartbeat(self, name: str, beat: AgentHeartbeat) -> DesiredState:
-        """``POST /v1/agents/{name}/heartbeat``: report model states; returns the desired state."""
+    def heartbeat(self, name: str, beat: AgentHeartbeat, *, minimal: bool = False) -> bytes | None:
+        """``POST /v1/agents/{name}/heartbeat``: report model states; returns the signed
+        desired state. ``minimal`` asks for liveness only (``Prefer: return=minimal``): a
+        control plane that honours it answers 204 (``None``), an older one the state."""
+        headers = {"Prefer": "return=minimal"} if minimal else None
         response = self._call("POST", f"/v1/agents/{_segment(name)}/heartbeat",
-                              json=beat.model_dump(mode="json"))
-        return self._desired(response)
+                              json=beat.model_dump(mode="json"), headers=headers)
+        return None if response.status_code == 204 else response.content
 
-    def manifest(self, artifact_id: str) -> ArtifactManifest:
-        """The (signed) manifest of ``artifact_id``; its signature is not checked here."""
-        response = self._call("GET", f"/v1/artifacts/{_segment(artifact_id)}")
-        try:
-            return ArtifactManifest.model_validate(response.json()["manifest"])
-        except (ValueError, KeyError, TypeError, ValidationError) as exc:
-            raise KilnError(
-                f"GET /v1/artifacts/{artifact_id} returned no valid manifest: {exc}",
-                artifact_id=artifact_id,
-            ) from exc
+    def desired_state(self, name: str, *, after: str | None, wait_s: float,
+                      key: str | None = None) -> bytes | None:
+        """``GET /v1/agents/{name}/desired-state``: the signed desired state once its content
+        digest differs from ``after`` (or the online key from ``key``), or ``None`` when it
+        kept it for ``wait_s`` seconds."""
+        params: dict[str, Any] = {"wait": f"{wait_s:g}"}
+        if after is not None:
+            params["after"] = after
+        if key is not None:
+            params["key"] = key
+        response = self._call("GET", f"/v1/agents/{_segment(name)}/desired-state",
+                              params=params, timeout=self.http.timeout.read + wait_s
+                              if self.http.timeout.read is not None else None)
+        return None if response.status_code == 204 else response.content
+
+    def root_metadata(self, version: int) -> bytes:
+        """Root metadata ``version`` as signed; ``NotFound`` past the latest."""
+        return self._call("GET", f"/v1/trust/root/{int(version)}").content
+
+    def manifest(self, artifact_id: str) -> bytes:
+        """The stored manifest of ``artifact_id`` (a signed envelope), exactly as stored; the
+        caller verifies the signature over these bytes before parsing them."""
+        return self._call("GET", f"/v1/artifacts/{_segment(artifact_id)}/manifest").content
 
     def download_blob(self, artifact_id: str, ref: BlobRef, dest: Path) -> Path:
         """Download blob ``ref`` of ``artifact_id`` to ``dest``, resumably and verified."""

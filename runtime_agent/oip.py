@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime_agent.bounded import load_json
 from runtime_agent.samples import numpy_dtype
 from runtime_agent.serving import ModelTable, ServedModel
 from schemas.errors import InvalidRequest, NotFound
@@ -192,7 +193,8 @@ def _parameters(entry: Mapping[str, Any], where: str) -> Mapping[str, Any]:
     return params
 
 
-def decode_rest(model: ServedModel, body: bytes, header_length: int | None) -> RestRequest:
+def decode_rest(model: ServedModel, body: bytes, header_length: int | None, *,
+                max_json_bytes: int = 16 * 1024 * 1024) -> RestRequest:
     """A REST infer request: JSON, or a JSON header of ``header_length`` bytes followed by
     the binary data of the inputs that declare ``parameters.binary_data_size``, in order."""
     if header_length is None:
@@ -200,11 +202,8 @@ def decode_rest(model: ServedModel, body: bytes, header_length: int | None) -> R
     if not 0 < header_length <= len(body):
         raise InvalidRequest(f"{HEADER_LENGTH} is {header_length}; the body has {len(body)} "
                              f"bytes")
-    try:
-        document = json.loads(body[:header_length])
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"the inference request's JSON header is not valid JSON: {exc}"
-                             ) from exc
+    document = load_json(memoryview(body)[:header_length], max_bytes=max_json_bytes,
+                         what="the inference request's JSON header")
     if not isinstance(document, dict) or not isinstance(document.get("inputs"), list):
         raise InvalidRequest(
             'expected a JSON object {"inputs": [{"name", "datatype", "shape", "data"}, ...]} '

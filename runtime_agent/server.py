@@ -19,6 +19,12 @@
 ``GET /metrics``
     Prometheus: Kiln's own and Triton's ``nv_inference_*`` (``runtime_agent.inference``).
 ``GET /healthz``
+    Liveness: the process answers (no check of anything else; cheap).
+``GET /readyz``
+    Readiness: 200 when every check passes, else 503 naming what is not ready; each check's
+    state either way (``ReadyCheck``): ``engines`` (at least one loaded), and from the agent
+    ``deployments`` (none failed with nothing serving it) and ``control_plane`` (unreachable
+    for longer than ``KILN_AGENT_READY_OFFLINE_S`` while nothing is cached is not ready).
 
 Every error is an ``ErrorBody`` JSON with the status of its code: a bad input is a 4xx that
 says what was expected, and the server keeps serving.
@@ -35,6 +41,8 @@ import threading
 import time
 import zipfile
 import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -43,10 +51,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime_agent import inference, oip
+from runtime_agent.bounded import check_npz, load_json
 from runtime_agent.inference import Metrics
 from runtime_agent.oip import array_from_json
 from runtime_agent.serving import ModelTable, ServedModel
@@ -65,19 +75,40 @@ logger = logging.getLogger(__name__)
 NPZ = "application/x-npz"
 JSON = "application/json"
 ARTIFACT_HEADER = "X-Kiln-Artifact-Id"
+#: Largest JSON an inference request may carry (``KILN_AGENT_MAX_JSON_BYTES``' default).
+DEFAULT_MAX_JSON_BYTES = 16 * 1024 * 1024
 _HTTP_CODES = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.INVALID_REQUEST,
                413: ErrorCode.MODEL_TOO_LARGE}
 #: Health probes: they need no token.
-_PROBES = frozenset({"/healthz", "/v2/health/live", "/v2/health/ready"})
+_PROBES = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
+
+
+@dataclass(frozen=True)
+class ReadyCheck:
+    """One readiness check: whether it passes, a one-word state, and what it found."""
+
+    ok: bool
+    state: str
+    detail: str
+
+
+#: Extra readiness checks by name (the agent's: deployments, control plane).
+Readiness = Callable[[], dict[str, ReadyCheck]]
+
+
+def engines_check(table: ModelTable) -> ReadyCheck:
+    names = table.names()
+    if not names:
+        return ReadyCheck(False, "none", "no engine loaded")
+    return ReadyCheck(True, "loaded", f"{len(names)} loaded: {', '.join(names)}")
 
 
 # ---------------------------------------------------------------- decoding and encoding
-def decode_json(body: bytes, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
-    """The feed of a JSON request ``{"inputs": {name: nested list}}``."""
-    try:
-        document = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+def decode_json(body: bytes, specs: list[TensorSpec], *,
+                max_bytes: int = DEFAULT_MAX_JSON_BYTES) -> dict[str, np.ndarray]:
+    """The feed of a JSON request ``{"inputs": {name: nested list}}`` (size and depth
+    bounded before parsing)."""
+    document = load_json(body, max_bytes=max_bytes, what="the request body")
     expected = {spec.name: spec for spec in specs}
     if not isinstance(document, dict) or not isinstance(document.get("inputs"), dict):
         raise InvalidRequest(
@@ -91,8 +122,13 @@ def decode_json(body: bytes, specs: list[TensorSpec]) -> dict[str, np.ndarray]:
     }
 
 
-def decode_npz(body: bytes, max_bytes: int) -> dict[str, np.ndarray]:
-    """The feed of an npz request; decompressed arrays may not exceed ``max_bytes`` either."""
+def decode_npz(body: bytes, max_bytes: int,
+               specs: list[TensorSpec] | None = None) -> dict[str, np.ndarray]:
+    """The feed of an npz request; decompressed arrays may not exceed ``max_bytes`` either.
+    With ``specs`` (the model's inputs), every array's header is checked against them and the
+    byte cap before any array is read."""
+    if specs is not None:
+        check_npz(body, specs, max_bytes)
     try:
         archive = np.load(io.BytesIO(body), allow_pickle=False)
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
@@ -167,12 +203,17 @@ def create_app(
     table: ModelTable,
     *,
     max_body_bytes: int = 64 * 1024 * 1024,
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES,
     registry: CollectorRegistry | None = None,
     token: str | None = None,
+    readiness: Readiness | None = None,
+    trust: Callable[[], BaseModel] | None = None,
 ) -> FastAPI:
     """The inference app over the models in ``table``. With ``token``, every route but the
-    health probes (``/healthz``, ``/v2/health/*``) needs ``Authorization: Bearer <token>``
-    (401 otherwise)."""
+    health probes (``/healthz``, ``/readyz``, ``/v2/health/*``) needs ``Authorization: Bearer
+    <token>`` (401 otherwise). ``readiness`` adds checks to ``/readyz``. ``trust`` says where
+    the agent stands with its signed desired state (``/healthz`` shows it: ``stale`` once it
+    expired)."""
     app = FastAPI(title="Kiln agent", summary="Inference on the engines this agent serves")
     metrics = Metrics(table, registry)
     app.state.metrics = metrics
@@ -242,9 +283,9 @@ def create_app(
 
         def decode() -> dict[str, np.ndarray]:
             if content_type == NPZ:
-                return decode_npz(body, max_body_bytes)
+                return decode_npz(body, max_body_bytes, model.manifest.inputs)
             if content_type in (JSON, ""):
-                return decode_json(body, model.manifest.inputs)
+                return decode_json(body, model.manifest.inputs, max_bytes=max_json_bytes)
             raise InvalidRequest(
                 f"unsupported Content-Type {content_type!r}; send {JSON} "
                 f'({{"inputs": {{...}}}}) or {NPZ} (np.savez)'
@@ -315,7 +356,7 @@ def create_app(
         body = await _read_body(request, max_body_bytes)
         header_length = int(declared) if declared is not None else None
         content, json_length = await run_in_threadpool(
-            _v2_infer, model, body, header_length, metrics, started)
+            _v2_infer, model, body, header_length, metrics, started, max_json_bytes)
         if json_length is None:
             return Response(content, media_type=JSON)
         return Response(content, media_type="application/octet-stream",
@@ -327,18 +368,36 @@ def create_app(
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
-        return {"status": "ok", "models": table.names()}
+        """Liveness: the process serves requests (and whether its desired state is stale)."""
+        health: dict[str, Any] = {"status": "ok", "models": table.names()}
+        if trust is not None:
+            status = trust().model_dump(mode="json")
+            health["trust"] = status
+            if status.get("stale"):
+                health["status"] = "stale"
+        return health
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        """Readiness: 200 when every check passes, else 503 naming those that do not."""
+        checks = {"engines": engines_check(table), **(readiness() if readiness else {})}
+        failing = [f"{name}: {check.detail}" for name, check in checks.items() if not check.ok]
+        return JSONResponse(
+            status_code=503 if failing else 200,
+            content={"ready": not failing, "not_ready": failing,
+                     "checks": {name: asdict(check) for name, check in checks.items()}})
 
     return app
 
 
 def _v2_infer(model: ServedModel, body: bytes, header_length: int | None, metrics: Metrics,
-              started: float) -> tuple[bytes, int | None]:
+              started: float, max_json_bytes: int) -> tuple[bytes, int | None]:
     """Decode, run and encode one REST inference (in a worker thread, off the event loop)."""
     decoded: list[oip.RestRequest] = []
 
     def decode() -> dict[str, np.ndarray]:
-        decoded.append(oip.decode_rest(model, body, header_length))
+        decoded.append(oip.decode_rest(model, body, header_length,
+                                       max_json_bytes=max_json_bytes))
         return decoded[0].feed
 
     outputs = inference.run(model, decode, metrics, started=started)

@@ -7,6 +7,7 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.options import CompileOptions
+from schemas.rollouts import RolloutPolicy
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 LABEL_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$"
@@ -23,6 +24,10 @@ class DeploymentCreate(BaseModel):
     options: CompileOptions = Field(default_factory=CompileOptions)
     #: Every label here must equal the agent's; empty selects every agent.
     selector: dict[str, str] = Field(default_factory=dict)
+    #: Deliver a change of model or options in stages per fingerprint cohort, behind gates
+    #: (only when updating an existing deployment: the agents not yet admitted, and those of
+    #: a halted cohort, run what it served before). Without it every agent switches at once.
+    rollout: RolloutPolicy | None = None
 
 
 class Deployment(BaseModel):

@@ -20,6 +20,8 @@ class ErrorCode(StrEnum):
     INVALID_OPTIONS = "invalid_options"
     NOT_FOUND = "not_found"
     CONFLICT = "conflict"
+    #: An id prefix that matches more than one row; the details list the matches.
+    AMBIGUOUS_ID = "ambiguous_id"
     UNAUTHENTICATED = "unauthenticated"
     FORBIDDEN = "forbidden"
     # compile pipeline
@@ -33,15 +35,28 @@ class ErrorCode(StrEnum):
     FINGERPRINT_MISMATCH = "fingerprint_mismatch"
     UNKNOWN_OPERATOR = "unknown_operator"
     PLUGIN_ERROR = "plugin_error"
+    # sandboxed steps (parsing, building, plugin code): a limit ran out, or the child died
+    RESOURCE_LIMIT = "resource_limit"
+    TIMED_OUT = "timed_out"
+    SANDBOX_CRASHED = "sandbox_crashed"
     # storage / integrity
     INTEGRITY_ERROR = "integrity_error"
     SIGNATURE_INVALID = "signature_invalid"
+    #: Signed metadata that verifies but must not be acted on: a version lower than one
+    #: already seen (rollback), expired, or naming another agent or model.
+    METADATA_REFUSED = "metadata_refused"
+    #: A document whose ``schema_version`` this Kiln cannot read (a newer major version).
+    SCHEMA_UNSUPPORTED = "schema_unsupported"
     STORE_ERROR = "store_error"
     # infrastructure
     QUEUE_UNAVAILABLE = "queue_unavailable"
     #: The worker building a job stopped heartbeating, as many times as a job may be tried.
     WORKER_LOST = "worker_lost"
+    #: An operator cancelled the job.
+    CANCELLED = "cancelled"
     CONFIG_ERROR = "config_error"
+    #: A client could not reach the API (refused, reset, timed out); never sent by the API.
+    API_UNREACHABLE = "api_unreachable"
     INTERNAL = "internal"
 
 
@@ -52,6 +67,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_OPTIONS: 422,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.CONFLICT: 409,
+    ErrorCode.AMBIGUOUS_ID: 409,
     ErrorCode.UNAUTHENTICATED: 401,
     ErrorCode.FORBIDDEN: 403,
     ErrorCode.MODEL_CHECK_FAILED: 422,
@@ -64,12 +80,19 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.FINGERPRINT_MISMATCH: 409,
     ErrorCode.UNKNOWN_OPERATOR: 422,
     ErrorCode.PLUGIN_ERROR: 422,
+    ErrorCode.RESOURCE_LIMIT: 413,
+    ErrorCode.TIMED_OUT: 422,
+    ErrorCode.SANDBOX_CRASHED: 422,
     ErrorCode.INTEGRITY_ERROR: 502,
     ErrorCode.SIGNATURE_INVALID: 502,
+    ErrorCode.METADATA_REFUSED: 502,
+    ErrorCode.SCHEMA_UNSUPPORTED: 502,
     ErrorCode.STORE_ERROR: 503,
     ErrorCode.QUEUE_UNAVAILABLE: 503,
     ErrorCode.WORKER_LOST: 503,
+    ErrorCode.CANCELLED: 409,
     ErrorCode.CONFIG_ERROR: 500,
+    ErrorCode.API_UNREACHABLE: 503,
     ErrorCode.INTERNAL: 500,
 }
 
@@ -132,6 +155,10 @@ class Conflict(KilnError):
     code = ErrorCode.CONFLICT
 
 
+class AmbiguousId(KilnError):
+    code = ErrorCode.AMBIGUOUS_ID
+
+
 class Unauthenticated(KilnError):
     code = ErrorCode.UNAUTHENTICATED
 
@@ -192,6 +219,26 @@ class PluginError(KilnError):
     code = ErrorCode.PLUGIN_ERROR
 
 
+class ResourceLimit(KilnError):
+    """A sandboxed step ran out of a limit: ``details["limit"]`` names it (``address_space``,
+    ``cpu_time``, ``file_size``) and ``details["stage"]`` the step."""
+
+    code = ErrorCode.RESOURCE_LIMIT
+
+
+class TimedOut(KilnError):
+    """A sandboxed step ran past its wall-clock limit and was stopped (``details["stage"]``)."""
+
+    code = ErrorCode.TIMED_OUT
+
+
+class SandboxCrashed(KilnError):
+    """A sandboxed step died without an answer (a signal, an exit); the details name how and
+    the stage, the message its last output."""
+
+    code = ErrorCode.SANDBOX_CRASHED
+
+
 class IntegrityError(KilnError):
     """Bytes whose size or sha256 differ from what the manifest promised."""
 
@@ -202,6 +249,17 @@ class SignatureInvalid(KilnError):
     code = ErrorCode.SIGNATURE_INVALID
 
 
+class MetadataRefused(KilnError):
+    """Signed metadata refused for what it says (``reason``: ``rollback``, ``expired``,
+    ``wrong_agent``, ``model_mismatch``)."""
+
+    code = ErrorCode.METADATA_REFUSED
+
+
+class SchemaUnsupported(KilnError):
+    code = ErrorCode.SCHEMA_UNSUPPORTED
+
+
 class StoreError(KilnError):
     code = ErrorCode.STORE_ERROR
     transient = True
@@ -210,6 +268,12 @@ class StoreError(KilnError):
 class QueueUnavailable(KilnError):
     code = ErrorCode.QUEUE_UNAVAILABLE
     transient = True
+
+
+class JobCancelled(KilnError):
+    """An operator cancelled the job; whoever works on it stops."""
+
+    code = ErrorCode.CANCELLED
 
 
 class ConfigError(KilnError):

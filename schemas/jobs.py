@@ -17,10 +17,12 @@ class JobStatus(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     WAITING_FOR_HARDWARE = "waiting_for_hardware"
+    #: Stopped by an operator (``POST /v1/compile-jobs/{id}/cancel``); ``/retry`` queues it again.
+    CANCELLED = "cancelled"
 
     @property
     def terminal(self) -> bool:
-        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED)
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
 
 
 class JobStage(StrEnum):
@@ -66,12 +68,31 @@ class CompileJob(BaseModel):
     artifact_id: str | None = None
     #: True when the job was answered from an existing artifact with no build.
     cache_hit: bool = False
+    #: Builds started for this job (a publish resumed from kept outputs is not one).
     attempts: int = 0
+    #: How many times an operator asked for this job again (``/retry``); each retry is sent
+    #: under its own task id, so a revoked earlier task never shadows it.
+    retries: int = 0
+    #: A forced rebuild (``kiln rebuild``): the worker ignores an existing artifact for the key.
+    force: bool = False
     worker: str | None = None
+    #: The worker process (a new id at every start of a worker) that owns a running job.
+    worker_instance: str | None = None
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    #: When its task was last sent to the broker; ``None``: not yet (the sweep sends it).
+    enqueued_at: datetime | None = None
+    #: A running job not finished by then fails ``timed_out``.
+    deadline_at: datetime | None = None
+    #: Failed, behind a deployment: a new build is queued from this time on (backoff).
+    retry_at: datetime | None = None
+
+
+def task_id(job_id: str, retries: int = 0) -> str:
+    """The Celery task id of a job's current attempt: one per operator retry."""
+    return f"compile-{job_id}" if retries == 0 else f"compile-{job_id}-retry{retries}"
 
 
 class CompileJobBatch(BaseModel):

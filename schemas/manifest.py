@@ -3,23 +3,30 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    field_validator,
     model_serializer,
 )
 
 from schemas._canonical import canonical_json
+from schemas._versioned import parse_version, validate_versioned
 from schemas.fingerprint import HardwareFingerprint
 from schemas.options import CompileOptions
 from schemas.plugins import PluginRef
 from schemas.tuning import TuningTable
 
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+#: The manifest schema this Kiln writes. A reader accepts any ``1.x`` (dropping fields a newer
+#: minor added) and refuses ``2.0``; the first manifests wrote the integer ``1`` (= ``1.0``).
+MANIFEST_SCHEMA_VERSION = "1.0"
+
+ArtifactState = Literal["ready", "broken"]
 
 
 class TensorSpec(BaseModel):
@@ -81,6 +88,9 @@ class BenchmarkResult(BaseModel):
 
 
 class ManifestSignature(BaseModel):
+    """The signature embedded in the first manifests (read, never written: manifests are now
+    stored as signed envelopes whose signature covers the stored bytes)."""
+
     model_config = ConfigDict(extra="forbid")
 
     algorithm: str = "ed25519"
@@ -93,7 +103,8 @@ class ArtifactManifest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: int = 1
+    #: ``"MAJOR.MINOR"`` (see ``MANIFEST_SCHEMA_VERSION``).
+    schema_version: str = MANIFEST_SCHEMA_VERSION
     artifact_id: str
     model_sha256: str = Field(pattern=SHA256_PATTERN)
     options_digest: str = Field(pattern=SHA256_PATTERN)
@@ -124,10 +135,18 @@ class ArtifactManifest(BaseModel):
     #: Every candidate the tuner built, verified and measured, and which won.
     tuning: TuningTable | None = None
     created_at: datetime
+    #: Only in manifests of the first, embedded-signature form (read for compatibility).
     signature: ManifestSignature | None = None
 
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _version(cls, value: object) -> str:
+        major, minor = parse_version(value, what="an artifact manifest")
+        return f"{major}.{minor}"
+
     def unsigned_bytes(self) -> bytes:
-        """The bytes a signature covers: the canonical manifest without its signature."""
+        """The manifest's canonical bytes without a signature: what a new manifest's signed
+        envelope carries as its payload, byte for byte."""
         return canonical_json(self.model_dump(mode="json", exclude={"signature"}))
 
     def blob(self, name: str) -> BlobRef:
@@ -136,6 +155,13 @@ class ArtifactManifest(BaseModel):
                 return ref
         raise KeyError(f"manifest {self.artifact_id} has no blob {name!r}; it has "
                        f"{[b.name for b in self.blobs]}")
+
+
+def parse_manifest(data: dict[str, Any]) -> ArtifactManifest:
+    """A decoded manifest, honouring its ``schema_version`` (``SchemaUnsupported`` for a newer
+    major; fields added by a newer minor are ignored)."""
+    return validate_versioned(ArtifactManifest, data, current=MANIFEST_SCHEMA_VERSION,
+                              what="artifact manifest")
 
 
 class ArtifactSummary(BaseModel):
@@ -154,3 +180,8 @@ class ArtifactSummary(BaseModel):
     max_abs_error: float
     p50_ms: float
     created_at: datetime
+    #: ``ready``, or ``broken``: the store lost a part of it (a blob, the manifest); it is
+    #: never handed out, and a build for its key is queued instead.
+    state: ArtifactState = "ready"
+    #: Why it is broken: what the store lacks or what did not hash.
+    broken_reason: str | None = None

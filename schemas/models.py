@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -16,7 +17,12 @@ class ModelInfo(BaseModel):
     name: str
     sha256: str
     size_bytes: int
+    #: ``onnx`` (a ``.onnx`` or a model archive) or ``torch-export`` (a ``torch.export.save``
+    #: archive): which backends can take it (``Backend.model_formats``).
+    format: Literal["onnx", "torch-export"] = "onnx"
+    #: ONNX: the default-domain opset; torch-export: the program's aten opset version.
     opset: int
+    #: ONNX: the IR version; torch-export: the export serialization schema's major version.
     ir_version: int
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from schemas.errors import InvalidModel, ModelTooLarge
+from schemas.errors import InvalidModel, ModelTooLarge, ResourceLimit
 from schemas.manifest import TensorSpec
 
 if TYPE_CHECKING:
@@ -177,6 +177,7 @@ def parse_model(data: bytes) -> onnx.ModelProto:
     try:
         model.ParseFromString(data)
     except (DecodeError, RuntimeError, ValueError) as exc:
+        _refuse_if_out_of_memory(len(data), exc)
         raise InvalidModel(
             f"the {len(data)} bytes are not a serialized ONNX ModelProto (corrupt or "
             f"truncated): {exc}",
@@ -189,6 +190,18 @@ def parse_model(data: bytes) -> onnx.ModelProto:
             size=len(data),
         )
     return model
+
+
+def _refuse_if_out_of_memory(size: int, exc: Exception) -> None:
+    """The protobuf parser reports a failed allocation as a decode error. Under an
+    address-space limit (a sandboxed parse) tell the two apart: when not even ``size`` more
+    bytes can be had, the parse ran out of memory (``ResourceLimit``), not into bad bytes."""
+    try:
+        bytearray(size)
+    except MemoryError:
+        raise ResourceLimit(
+            f"parsing the {size}-byte model ran out of memory under the address-space limit",
+            limit="address_space", size=size) from exc
 
 
 def archive_members(tar: tarfile.TarFile,

@@ -26,6 +26,13 @@ def qualified_op(domain: str, op_type: str) -> str:
     return f"{domain or 'ai.onnx'}::{op_type}"
 
 
+def torch_op_name(op: str) -> str:
+    """``domain::OpType`` as PyTorch names the op (``torch.ops.<namespace>.<OpType>``): the
+    domain's dots become underscores (``kiln.examples::Swish`` → ``kiln_examples::Swish``)."""
+    domain, _, op_type = op.partition("::")
+    return f"{domain.replace('.', '_')}::{op_type}"
+
+
 class TensorArg(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

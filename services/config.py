@@ -43,6 +43,10 @@ class KilnSettings(BaseSettings):
     store_uri: str | None = None
     #: The S3 endpoint the control plane and workers use (default: AWS).
     s3_endpoint_url: str | None = None
+    #: The S3 endpoint agents reach, which presigned download URLs name (default: the
+    #: internal one). Set it when the control plane reaches S3 under a name agents cannot
+    #: resolve, e.g. compose's `http://minio:9000`.
+    s3_public_endpoint_url: str | None = None
     #: Region of the S3 bucket (used to sign requests).
     s3_region: str = "us-east-1"
     #: Default: kombu's filesystem transport under ``home`` (no server). Production: redis://.
@@ -51,9 +55,29 @@ class KilnSettings(BaseSettings):
     #: Ed25519 private key (PEM) that signs manifests; its public half is ``<path>.pub``.
     #: ``kiln keygen`` writes a pair (``kiln up`` does for the embedded stack).
     signing_key_path: Path | None = None
+    #: The root key (Ed25519, PEM) that signs root metadata naming the online signing key.
+    #: Only `kiln keys init` and `kiln keys rotate` read it: keep it offline in production.
+    root_key_path: Path | None = None
+    #: Folder of the root metadata versions (``1.root.json``, ``2.root.json``, ...) that the
+    #: API serves to agents at ``/v1/trust/root``.
+    trust_dir: Path | None = None
+    #: Lifetime of the signed desired state an agent receives, seconds; an agent whose latest
+    #: one has expired keeps serving and reports itself stale.
+    desired_state_ttl_s: float = Field(300.0, gt=0)
+    #: Lifetime of the root metadata `kiln keys init` and `kiln keys rotate` write, days.
+    root_expiry_days: int = Field(365, ge=1)
 
-    #: Largest request body the API accepts (a model upload).
+    #: Largest request body of an upload route (a model or a plugin bundle); refused from
+    #: its ``Content-Length`` (or as it streams) before it is read.
     max_upload_bytes: int = Field(2 * 1024**3, ge=1)
+    #: Largest request body of every other route (JSON), refused the same way.
+    max_json_bytes: int = Field(1024**2, ge=1)
+    #: Lifetime of a token `kiln token create` mints without `--ttl`, seconds. Every token
+    #: expires.
+    token_ttl_s: int = Field(30 * 24 * 3600, ge=1)
+    #: Serve `/docs`, `/redoc` and `/openapi.json`. Default: on with `KILN_ENV=dev`, off in
+    #: production (the schema maps every route for whoever asks).
+    api_docs: bool | None = None
     #: Largest ``.npz`` dataset accepted, as uploaded and as its arrays unpack (a dataset is
     #: loaded whole into a worker's memory).
     max_dataset_bytes: int = Field(512 * 1024**2, ge=1)
@@ -67,12 +91,84 @@ class KilnSettings(BaseSettings):
     log_level: str = "INFO"
     #: How often agents are told to heartbeat, seconds.
     agent_heartbeat_s: float = Field(5.0, gt=0)
-    #: How often the API looks for running jobs whose worker stopped heartbeating, seconds
-    #: (0: never). Such a job is queued again, or fails with ``worker_lost`` once it has been
-    #: tried ``max_job_attempts`` times.
+    #: The longest an agent's long-poll of its desired state
+    #: (`GET /v1/agents/{name}/desired-state?wait=`) is held open, seconds.
+    desired_state_max_wait_s: float = Field(60.0, gt=0, le=600)
+    #: How often the API re-reads what changes agents' desired state behind its back, seconds:
+    #: deployments changed through another API replica and builds workers finished. It wakes
+    #: the long-polls of the agents concerned (0: never; changes made through this API wake
+    #: them at once either way).
+    desired_state_recheck_s: float = Field(1.0, ge=0)
+    #: How long the API keeps an agent profile's computed desired models, seconds, when no
+    #: change concerning them arrives (0, the default: compute on every request). Changes it
+    #: sees (its own, and others' through the re-check) drop them at once; an artifact found
+    #: broken and a newer plugin version do not yet, so agents could be handed those for this
+    #: long: turn it on only for fleets whose request rate needs it. Needs the re-check: with
+    #: ``desired_state_recheck_s`` 0 nothing is cached.
+    desired_state_cache_s: float = Field(0.0, ge=0)
+    #: How often the API's rollout controller looks at active rollouts, seconds (0: never):
+    #: it admits the next stage after the soak time, and halts and rolls back a cohort whose
+    #: gate failed (a failing report halts at once; this catches the rest).
+    rollout_interval_s: float = Field(5.0, ge=0)
+    #: How often the API sweeps jobs, seconds (0: never): a running job whose worker instance
+    #: stopped heartbeating is queued again (or fails `worker_lost` after `max_job_attempts`),
+    #: one past its deadline fails `timed_out`, and a queued job with no task is sent again.
     job_sweep_s: float = Field(10.0, ge=0)
-    #: Attempts before a job whose worker was lost fails with `worker_lost`.
+    #: Workers stopped or silent for this many seconds are forgotten (`kiln workers` no longer
+    #: lists them); the API's sweeper prunes them (0: never).
+    worker_prune_s: float = Field(86400.0, ge=0)
+    #: Builds a job may start (a worker lost mid-build, a pool child killed, a transient
+    #: error) before it fails with `worker_lost`.
     max_job_attempts: int = Field(3, ge=1)
+    #: A job's soft time limit is its tuning budget plus this margin plus the publish retry
+    #: budget, seconds; past it the job fails `timed_out`, naming its stage.
+    job_time_margin_s: float = Field(600.0, gt=0)
+    #: Seconds after the soft time limit before the build process is killed (hard limit);
+    #: the sweep fails a job still `running` that long after its hard limit.
+    job_kill_grace_s: float = Field(60.0, gt=0)
+    #: How long a worker keeps retrying the publish of a finished build (store or database
+    #: unreachable), with backoff, before the job fails; its outputs are kept meanwhile.
+    publish_retry_budget_s: float = Field(600.0, ge=0)
+    #: A job committed but never enqueued (the API died in between, the broker refused) is
+    #: enqueued by the sweep this many seconds after it was created.
+    job_enqueue_grace_s: float = Field(10.0, ge=0)
+    #: A job still `queued` this many seconds after its task was sent is sent again (the
+    #: broker may have lost it); a duplicate delivery builds nothing. 0: never.
+    job_requeue_s: float = Field(300.0, ge=0)
+    #: A failed build behind a deployment is retried after this many seconds, doubling with
+    #: each failure in a row up to `build_retry_max_s`.
+    build_retry_base_s: float = Field(60.0, gt=0)
+    #: The longest wait between retries of a deployment's failed build, seconds.
+    build_retry_max_s: float = Field(3600.0, gt=0)
+    #: Retention: the newest artifacts kept per (model, fingerprint key); older ones go unless
+    #: a deployment or an agent uses them (`kiln gc`).
+    retention_keep_per_key: int = Field(3, ge=1)
+    #: Retention: finished jobs older than this many seconds are deleted (0: kept forever).
+    job_retention_s: float = Field(30 * 86400.0, ge=0)
+    #: Retention: agents silent for this many seconds are forgotten; one that comes back
+    #: registers again (0: never).
+    agent_prune_s: float = Field(7 * 86400.0, ge=0)
+    #: How often the API applies the retention policy, seconds (0: only `kiln gc` does).
+    gc_interval_s: float = Field(3600.0, ge=0)
+    #: Fault injection (`bench/faults.py`): when this file exists right after the API has
+    #: committed new compile jobs, the API removes it and exits before enqueueing them.
+    #: Refused unless `KILN_ENV=dev`.
+    debug_exit_after_commit_file: Path | None = None
+
+    #: Confine sandboxed children (upload inspection in the API, builds in workers) to their
+    #: scratch folder with Landlock where the kernel has it (Linux 5.13+); off, or where the
+    #: kernel lacks it, a warning says what is not enforced.
+    sandbox_landlock: bool = True
+    #: Give sandboxed children a network namespace of their own (no network) where user
+    #: namespaces are allowed.
+    sandbox_network_isolation: bool = True
+    #: Address space of the child that inspects an upload (model graph, dataset headers,
+    #: plugin bundle); past it the upload is refused with ``resource_limit`` (413).
+    inspect_memory_bytes: int = Field(6 * 1024**3, ge=256 * 1024**2)
+    #: CPU seconds of that child (``resource_limit`` past them).
+    inspect_cpu_s: int = Field(120, ge=1)
+    #: Wall-clock seconds of that child (``timed_out`` past them).
+    inspect_timeout_s: float = Field(300.0, gt=0)
 
     #: The services left to their embedded defaults (not given in the environment).
     _defaulted: frozenset[str] = PrivateAttr(default=frozenset())
@@ -80,7 +176,8 @@ class KilnSettings(BaseSettings):
     @model_validator(mode="after")
     def _fill_defaults(self) -> Self:
         self._defaulted = frozenset(
-            name for name in (*EXPLICIT_IN_PRODUCTION, "signing_key_path")
+            name for name in (*EXPLICIT_IN_PRODUCTION, "signing_key_path", "root_key_path",
+                              "trust_dir")
             if getattr(self, name) is None
         )
         home = self.home.resolve()
@@ -92,6 +189,12 @@ class KilnSettings(BaseSettings):
             self.broker_url = "filesystem://"
         if self.signing_key_path is None:
             self.signing_key_path = home / "signing.key"
+        if self.api_docs is None:
+            self.api_docs = self.env == "dev"
+        if self.root_key_path is None:
+            self.root_key_path = home / "root.key"
+        if self.trust_dir is None:
+            self.trust_dir = home / "trust"
         return self
 
     @property
@@ -104,6 +207,11 @@ class KilnSettings(BaseSettings):
         """Where the server-less broker keeps its messages."""
         return self.home.resolve() / "broker"
 
+    def job_time_limits(self, tuning_budget_s: float) -> tuple[float, float]:
+        """(soft, hard) time limits in seconds of a job with this tuning budget."""
+        soft = tuning_budget_s + self.job_time_margin_s + self.publish_retry_budget_s
+        return soft, soft + self.job_kill_grace_s
+
     def check_secure(self) -> None:
         """Refuse to serve with the well-known default secret outside dev mode."""
         if self.secret_key == DEFAULT_SECRET and self.env != "dev":
@@ -111,6 +219,10 @@ class KilnSettings(BaseSettings):
                 "KILN_SECRET_KEY is the default value; set a real secret (for example "
                 "`openssl rand -hex 32`), or set KILN_ENV=dev for local experiments"
             )
+        if self.debug_exit_after_commit_file is not None and self.env != "dev":
+            raise ConfigError(
+                "KILN_DEBUG_EXIT_AFTER_COMMIT_FILE injects faults (the API exits between "
+                "commit and enqueue); unset it, or set KILN_ENV=dev for a fault trial")
         if len(self.secret_key) < 32 and self.env != "dev":
             raise ConfigError("KILN_SECRET_KEY must be at least 32 characters outside dev mode")
 

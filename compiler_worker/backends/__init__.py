@@ -66,9 +66,10 @@ def names() -> list[str]:
 
 
 def backend_for(fingerprint: HardwareFingerprint, options: CompileOptions,
-                key: str | None = None) -> Backend:
+                key: str | None = None, *, model_format: str | None = None) -> Backend:
     """The backend that builds ``options`` for hardware like ``fingerprint`` (and, when given,
-    whose fingerprint key there is ``key``: a job names the key it was queued for).
+    whose fingerprint key there is ``key``: a job names the key it was queued for; and which
+    takes models of ``model_format``: ``onnx``, ``torch-export``).
 
     ``options.backends`` is tried in order; when empty, every registered backend is tried by
     priority. A backend qualifies when it supports the fingerprint and accepts the options.
@@ -81,6 +82,10 @@ def backend_for(fingerprint: HardwareFingerprint, options: CompileOptions,
             reasons[name] = "not registered"
             continue
         backend = _REGISTRY[name]
+        if model_format is not None and model_format not in backend.model_formats:
+            reasons[name] = (f"builds {sorted(backend.model_formats)} models, not "
+                             f"{model_format}")
+            continue
         if not backend.supports(fingerprint):
             reasons[name] = "does not support this hardware fingerprint"
             continue

@@ -3,11 +3,18 @@
 ``aoti_load_package``.
 
 Input. The model is a ``torch.export`` archive (``torch.export.save``, ``.pt2``), loaded here —
-in the build step, never in the API — with ``torch.export.load``. An ONNX model reaches this
-backend only through a converter to a torch program; Kiln has none yet (``onnx2torch`` is the
-candidate), so an ONNX model fails each candidate with that reason, recorded in the tuning
-table. The backend is never picked for a job unless its options name it (its priority is
-below onnxruntime's).
+in the build step, never in the API — with ``torch.export.load``, after the pipeline checked
+its structure and made the profiles' dynamic axes (``compiler_worker.torch_program``). The
+pipeline hands this backend torch programs only (``model_formats``): the API refuses a job for
+an ONNX model on an AOTInductor key, and ``compile_model`` refuses one with ``InvalidOptions``.
+ONNX models would need a converter to a torch program; ``onnx2torch``, the obvious one, needs
+torchvision, which cannot be installed beside this torch, so there is none. A file that
+reaches ``build`` anyway fails the candidate with that reason. For a model of either format,
+the backend that takes its format builds (``backend_for(model_format=...)``).
+
+A failure Inductor attributes to an operator (a missing lowering or decomposition, a lowering
+that raised: ``target: <op>`` in its message) fails the candidate with the op named
+(``details["op"]``); the tuner records it and goes on with the other candidates.
 
 Target ISA (CPU). Inductor compiles its C++ kernels for the vector ISA it picks
 (``cpp.simdlen``: 512 → AVX-512, 256 → AVX2, 0 → scalar) and the whole library with
@@ -222,6 +229,25 @@ def check_package_isa(package: Path, level: str) -> int:
 
 # -- the backend ----------------------------------------------------------------------------
 
+_TARGET = re.compile(r"^\s*target:\s*(\S+)", re.MULTILINE)
+
+
+def failing_op(exc: BaseException) -> str | None:
+    """The operator an Inductor failure is about (``mylib.op.default``,
+    ``aten.foo.default``): Inductor's ``OperatorIssue`` errors (a missing lowering or
+    decomposition, a lowering that raised) say ``target: <op>``; the cause chain is searched.
+    ``None`` when the failure names no operator (a C++ compiler error, say)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        match = _TARGET.search(str(current))
+        if match:
+            return match.group(1)
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def _is_zip(path: Path) -> bool:
     with path.open("rb") as handle:
         return handle.read(4) == b"PK\x03\x04"
@@ -236,8 +262,7 @@ class AOTInductorBackend(Backend):
     #: Below onnxruntime: picked only when a job's options name it.
     priority = 5
     device = "cpu"
-    #: ``torch.export`` archives. Until the pipeline hands them out, workers do not serve this
-    #: backend's queues (``compiler_worker.worker.fingerprint_keys``).
+    #: ``torch.export`` archives (workers advertise it per key: ``WorkerInfo.model_formats``).
     model_formats = frozenset({"torch-export"})
 
     def toolchain(self) -> str:
@@ -305,6 +330,8 @@ class AOTInductorBackend(Backend):
                 raise FingerprintMismatch(
                     f"the build fingerprint declares torch {declared}, but this worker runs "
                     f"torch {torch.__version__}; an engine built here would carry the wrong key")
+        if custom_ops is not None:  # torch.export.load needs the program's custom ops
+            custom_ops.apply(None)
         try:
             program = torch.export.load(str(model_path))
         except Exception as exc:  # torch raises its own untyped errors
@@ -324,6 +351,8 @@ class AOTInductorBackend(Backend):
         configs: dict[str, object] = {}
         runtime_config: dict[str, object] = {"precision": candidate.precision,
                                              "input_names": input_names}
+        if custom_ops is not None:
+            runtime_config["custom_ops"] = custom_ops.runtime_config()
         if target is not None:
             device, cc, _, _ = target
             if not torch.cuda.is_available():
@@ -360,6 +389,12 @@ class AOTInductorBackend(Backend):
             aoti_compile_and_package(program, package_path=str(package),
                                      inductor_configs=configs)
         except Exception as exc:  # Inductor raises its own untyped errors (lowering, C++)
+            op = failing_op(exc)
+            if op is not None:
+                raise CompileError(
+                    f"AOTInductor (torch {torch.__version__}) cannot lower op {op} in "
+                    f"{candidate.name}: {type(exc).__name__}: {exc}"[:2000],
+                    candidate=candidate.name, op=op) from exc
             raise CompileError(
                 f"AOTInductor (torch {torch.__version__}) could not compile {candidate.name}: "
                 f"{type(exc).__name__}: {exc}"[:2000], candidate=candidate.name) from exc

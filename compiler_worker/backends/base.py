@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 PIPELINE_VERSION = 1
 #: Model formats the compile pipeline hands to backends (``Backend.model_formats``): a worker
 #: serves the queues of the backends that take one of them.
-PIPELINE_MODEL_FORMATS = frozenset({"onnx"})
+PIPELINE_MODEL_FORMATS = frozenset({"onnx", "torch-export"})
 
 
 def toolchain_string(runtime: str, version: str) -> str:

@@ -110,10 +110,12 @@ def node_compatibility_keys(fingerprint: HardwareFingerprint) -> dict[str, list[
 
 
 def load_executor(artifact_dir: Path, manifest: ArtifactManifest,
-                  plugins: Sequence[LoadedPlugin] = ()) -> Executor:
+                  plugins: Sequence[LoadedPlugin] = (), *,
+                  stream: int | None = None) -> Executor:
     """Load the engine in ``artifact_dir`` with the executor of ``manifest.backend``, with the
-    custom-op ``plugins`` it needs (``load_plugins``) registered first."""
-    return get(manifest.backend)(Path(artifact_dir), manifest, plugins)
+    custom-op ``plugins`` it needs (``load_plugins``) registered first. ``stream`` (a
+    ``cudaStream_t`` as an int) is the caller's CUDA stream, for an engine on CUDA."""
+    return get(manifest.backend)(Path(artifact_dir), manifest, plugins, stream=stream)
 
 
 def load_plugins(manifest: ArtifactManifest, bundles: Mapping[str, Path],
@@ -135,7 +137,8 @@ def load_plugins(manifest: ArtifactManifest, bundles: Mapping[str, Path],
             f"{[f'{r.name} {r.version}' for r in manifest.plugins]}; the {manifest.backend} "
             f"executor runs no plugins", artifact_id=manifest.artifact_id,
         )
-    target = (manifest.backend, executor_cls.device_for(manifest.runtime_config))
+    target = (executor_cls.plugin_backend or manifest.backend,
+              executor_cls.device_for(manifest.runtime_config))
     abi = executor_cls.plugin_abi()
     entries = list(manifest.runtime_config.get("custom_ops") or [])  # type: ignore[call-overload]
     before = set(sys.modules)

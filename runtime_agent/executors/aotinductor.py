@@ -58,11 +58,12 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from runtime_agent.executors.base import Executor
+from runtime_agent.executors.base import CustomOpAdapter, Executor
 from runtime_agent.fingerprint import (
     X86_LEVELS,
     detect_cpu,
@@ -75,6 +76,9 @@ from runtime_agent.fingerprint import (
 from runtime_agent.samples import numpy_dtype
 from schemas.errors import BackendUnavailable, InvalidRequest, KilnError
 from schemas.fingerprint import AcceleratorInfo, HardwareFingerprint
+
+if TYPE_CHECKING:
+    from runtime_agent.plugins import LoadedPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +155,19 @@ class AOTInductorExecutor(Executor):
     media_types = {ENGINE_MEDIA_TYPE: ".pt2"}
     #: Below onnxruntime: an agent prefers onnxruntime when a deployment names no backend.
     preference = 5
+    #: Custom ops run as torch ops: plugin implementations for backend ``torch``
+    #: (``runtime_agent.plugins.torch``), registered before the package loads.
+    supports_plugins = True
+    plugin_backend = "torch"
+
+    @classmethod
+    def custom_op_adapter(cls, plugins: Sequence[LoadedPlugin], ops: Iterable[str],
+                          device: str) -> CustomOpAdapter | None:
+        """The plugins' ops as torch ops (their ``torch`` kernels for ``device``, fake
+        implementations from their shape functions)."""
+        from runtime_agent.plugins.torch import TorchCustomOps
+
+        return TorchCustomOps.resolve(list(plugins), set(ops), [device])
 
     @classmethod
     def probe_version(cls) -> str | None:
@@ -322,6 +339,12 @@ class AOTInductorExecutor(Executor):
             raise BackendUnavailable(
                 f"the package of artifact {self.manifest.artifact_id} takes inputs "
                 f"{self._input_order}; the manifest lists {sorted(self._inputs)}")
+        if self.plugins:  # the package calls them through torch's dispatcher
+            entries = config.get("custom_ops") or []
+            ops = {str(e["op"]) for e in entries if isinstance(e, dict) and "op" in e}
+            adapter = self.custom_op_adapter(self.plugins, ops, self._device)
+            if adapter is not None:
+                adapter.apply(None)
         path = self.blob_path("engine")
         try:
             self._model = aoti_load_package(str(path))

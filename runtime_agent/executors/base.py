@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
+from runtime_agent.executors.tensors import DeviceTensor, InputCheck, OutputShapes, from_dlpack
 from schemas.errors import BackendUnavailable, IntegrityError, InvalidRequest, KilnError
 from schemas.fingerprint import HardwareFingerprint
-from schemas.manifest import ArtifactManifest, BlobRef, TensorSpec
+from schemas.manifest import ArtifactManifest, BlobRef
 
 if TYPE_CHECKING:
     from runtime_agent.plugins import LoadedPlugin
@@ -49,15 +50,6 @@ def blob_filename(ref: BlobRef) -> str:
     return name
 
 
-def _describe(spec: TensorSpec) -> str:
-    return f"{spec.name}: {spec.dtype}{list(spec.shape)}"
-
-
-def _dynamic_rank(spec: TensorSpec) -> bool:
-    """True when the spec does not even fix the rank (``["..."]``)."""
-    return list(spec.shape) == ["..."]
-
-
 class CustomOpAdapter(Protocol):
     """A backend's custom-op session adapter: applies the plugins' kernels to its runtime's
     session options, and describes them for the manifest's ``runtime_config``."""
@@ -87,6 +79,12 @@ class Executor(ABC):
     preference: ClassVar[int] = 0
     #: Whether this executor runs engines with custom-op plugins (``manifest.plugins``).
     supports_plugins: ClassVar[bool] = False
+    #: The backend name plugin implementations for this executor declare (default: its own
+    #: name; the AOTInductor executor runs ``torch`` implementations).
+    plugin_backend: ClassVar[str] = ""
+    #: Whether ``_run`` takes ``DeviceTensor`` inputs (CUDA memory bound in place) for an engine
+    #: on CUDA; otherwise such a tensor is refused and host arrays are expected.
+    binds_device_memory: ClassVar[bool] = False
     #: The model platform the Open Inference Protocol reports (Triton's name where one fits;
     #: empty: ``kiln_<backend>``).
     platform: ClassVar[str] = ""
@@ -162,7 +160,7 @@ class Executor(ABC):
         return []
 
     def __init__(self, artifact_dir: Path, manifest: ArtifactManifest,
-                 plugins: Sequence[LoadedPlugin] = ()) -> None:
+                 plugins: Sequence[LoadedPlugin] = (), *, stream: int | None = None) -> None:
         if manifest.backend != self.backend:
             raise InvalidRequest(
                 f"{type(self).__name__} runs {self.backend!r} artifacts; artifact "
@@ -173,6 +171,11 @@ class Executor(ABC):
         self.plugins = self._check_plugins(list(plugins))
         self._inputs = {spec.name: spec for spec in manifest.inputs}
         self._output_names = [spec.name for spec in manifest.outputs]
+        self._check = InputCheck(manifest.inputs, self.device_for(manifest.runtime_config),
+                                 self.binds_device_memory)
+        self._output_shapes = OutputShapes(manifest.inputs, manifest.outputs)
+        #: The caller's CUDA stream (``cudaStream_t`` as an int) for engines on CUDA.
+        self.stream = stream
         self._load()
 
     def _check_plugins(self, plugins: list[LoadedPlugin]) -> list[LoadedPlugin]:
@@ -216,60 +219,83 @@ class Executor(ABC):
             )
         return path
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run the engine on ``inputs`` (name → array); returns every output by name.
+    def run(self, inputs: Mapping[str, Any], *,
+            out: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Run the engine on ``inputs`` (name → numpy array or DLPack tensor, see
+        ``runtime_agent.executors.tensors``); returns every output by name.
 
-        Raises ``InvalidRequest`` when the feed does not match the manifest's inputs.
+        ``out`` (name → array or DLPack tensor, for some or all outputs) makes the engine write
+        those outputs into the caller's memory; they are returned as given. Raises
+        ``InvalidRequest`` when the feed or ``out`` does not match the manifest's signature.
         """
-        self.validate_inputs(inputs)
-        outputs = self._run(inputs)
-        expected = self._output_names
-        missing = [name for name in expected if name not in outputs]
-        if missing:
+        feed = self._check(inputs)
+        if out:
+            results = self._run_into(feed, self.output_targets(out, feed))
+            return {name: out.get(name, results[name]) for name in self._output_names}
+        return self._outputs(feed)
+
+    def _outputs(self, feed: Mapping[str, Any]) -> dict[str, Any]:
+        outputs = self._run(feed)
+        try:
+            return {name: outputs[name] for name in self._output_names}
+        except KeyError:
+            missing = [name for name in self._output_names if name not in outputs]
             raise KilnError(
                 f"{type(self).__name__} returned outputs {sorted(outputs)}; the manifest of "
-                f"artifact {self.manifest.artifact_id} lists {expected} (missing {missing})"
-            )
-        return {name: outputs[name] for name in expected}
+                f"artifact {self.manifest.artifact_id} lists {self._output_names} "
+                f"(missing {missing})"
+            ) from None
 
-    def validate_inputs(self, inputs: Mapping[str, np.ndarray]) -> None:
+    def validate_inputs(self, inputs: Mapping[str, Any]) -> None:
         """Check names, dtypes, ranks and fixed dimensions; string dimensions are dynamic."""
-        specs = self._inputs
-        missing = [name for name in specs if name not in inputs]
-        unexpected = [name for name in inputs if name not in specs]
-        if missing or unexpected:
-            expected = ", ".join(_describe(s) for s in specs.values())
-            raise InvalidRequest(
-                f"expected inputs [{expected}]; given {sorted(inputs)} "
-                f"(missing {missing}, unexpected {unexpected})",
-                missing=missing,
-                unexpected=unexpected,
-            )
-        for name, spec in specs.items():
-            value = inputs[name]
-            if not isinstance(value, np.ndarray):
+        self._check(inputs)
+
+    def output_targets(self, out: Mapping[str, Any], feed: Mapping[str, Any]
+                       ) -> dict[str, np.ndarray | DeviceTensor]:
+        """The caller's output buffers, each checked to be exactly what the engine writes:
+        a known output, its dtype, its shape (where known before the run), dense and writable.
+        A buffer that does not fit is refused — writing into a copy would lose the result."""
+        targets: dict[str, np.ndarray | DeviceTensor] = {}
+        for name, value in out.items():
+            if name not in self._output_shapes.dtypes:
                 raise InvalidRequest(
-                    f"input {name!r}: expected a numpy array ({_describe(spec)}); given "
-                    f"{type(value).__name__}"
-                )
-            if value.dtype.name != spec.dtype:
+                    f"out names {name!r}, which is not an output of artifact "
+                    f"{self.manifest.artifact_id}; its outputs are {self._output_names}")
+            target = (value if isinstance(value, np.ndarray)
+                      else from_dlpack(name, value, device=self._check.device, kind="out",
+                                       device_memory=self.binds_device_memory))
+            dtype = self._output_shapes.dtypes[name]
+            shape = self._output_shapes.shape(name, feed)
+            if target.dtype != dtype:
+                raise InvalidRequest(f"out[{name!r}]: expected dtype {dtype.name}; given "
+                                     f"{target.dtype}")
+            if shape is not None and tuple(target.shape) != shape:
+                raise InvalidRequest(f"out[{name!r}]: expected shape {list(shape)} for these "
+                                     f"inputs; given {list(target.shape)}")
+            if isinstance(target, np.ndarray) and not (target.flags.c_contiguous
+                                                       and target.flags.writeable):
                 raise InvalidRequest(
-                    f"input {name!r}: expected dtype {spec.dtype} ({_describe(spec)}); given "
-                    f"{value.dtype}"
-                )
-            if _dynamic_rank(spec):
-                continue
-            if value.ndim != len(spec.shape):
+                    f"out[{name!r}]: expected a dense, writable row-major buffer; given one "
+                    f"that is {'not contiguous' if not target.flags.c_contiguous else 'read-only'}"
+                    f" (the engine would write into a copy and the result would be lost)")
+            targets[name] = target
+        return targets
+
+    def _run_into(self, feed: Mapping[str, Any], targets: Mapping[str, Any]) -> dict[str, Any]:
+        """Run, then copy the outputs named in ``targets`` into them (executors that bind
+        memory directly override this)."""
+        results = self._outputs(feed)
+        for name, target in targets.items():
+            if isinstance(target, DeviceTensor):
                 raise InvalidRequest(
-                    f"input {name!r}: expected rank {len(spec.shape)} ({_describe(spec)}); "
-                    f"given shape {list(value.shape)}"
-                )
-            for axis, (want, got) in enumerate(zip(spec.shape, value.shape, strict=True)):
-                if isinstance(want, int) and want != got:
-                    raise InvalidRequest(
-                        f"input {name!r}: expected dimension {axis} to be {want} "
-                        f"({_describe(spec)}); given shape {list(value.shape)}"
-                    )
+                    f"out[{name!r}] is on CUDA; the {self.backend} executor writes only host "
+                    f"buffers")
+            if target.shape != results[name].shape:
+                raise InvalidRequest(f"out[{name!r}]: the engine produced shape "
+                                     f"{list(results[name].shape)}; given {list(target.shape)}")
+            np.copyto(target, results[name])
+        return {name: targets[name] if name in targets else results[name]
+                for name in self._output_names}
 
     @abstractmethod
     def _load(self) -> None:
@@ -277,4 +303,5 @@ class Executor(ABC):
 
     @abstractmethod
     def _run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run validated inputs; return at least every output the manifest lists."""
+        """Run validated inputs (contiguous numpy arrays; ``DeviceTensor`` for an engine on
+        CUDA); return at least every output the manifest lists."""

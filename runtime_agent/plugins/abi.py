@@ -38,6 +38,9 @@ def runtime_abi(backend: str) -> str | None:
     Each executor declares its own (``Executor.plugin_abi``)."""
     from runtime_agent import executors  # the executors import this module
 
+    for executor in executors.registered_classes():  # a plugin backend of its own (torch)
+        if executor.plugin_backend == backend and executor.backend != backend:
+            return executor.plugin_abi()
     return executors.get(backend).plugin_abi()
 
 

@@ -5,17 +5,22 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 from celery import Celery
 from fastapi import FastAPI
 
 from artifact_store import open_store
 from schemas.version import KILN_VERSION
+from services.api.desired import DesiredStateHub, Rechecker
 from services.api.errors import install_error_handlers
-from services.api.limits import BodySizeLimit
+from services.api.gate import FrontDoor
+from services.api.retention import RetentionThread, retention_policy
+from services.api.rollouts import RolloutController, Rollouts
 from services.api.routers import (
     agents,
     artifacts,
+    builds,
     datasets,
     deployments,
     fleet,
@@ -23,15 +28,38 @@ from services.api.routers import (
     jobs,
     models,
     plugins,
+    retention,
+    rollouts,
+    tokens,
+    trust,
     tuning,
     workers,
 )
 from services.api.sweeper import JobSweeper
+from services.api.ui import browser_paths, install_error_pages
+from services.api.ui import router as ui_router
 from services.config import KilnSettings, get_settings
-from services.db import make_engine, make_session_factory, migrate
+from services.db import make_engine, make_session_factory, migrate, repo
 from services.queue import configure_celery
+from services.signer import OnlineSigner, ensure_keys
 
 logger = logging.getLogger(__name__)
+
+#: Routes anyone may call: liveness and readiness probes, and the dashboard's login page.
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/ui/login"})
+
+
+def public_paths(app: FastAPI) -> frozenset[str]:
+    """The probes, and the API documentation when ``KILN_API_DOCS`` serves it."""
+    docs = {app.docs_url, app.redoc_url, app.openapi_url}
+    if app.docs_url and app.swagger_ui_oauth2_redirect_url:
+        docs.add(app.swagger_ui_oauth2_redirect_url)
+    return PUBLIC_PATHS | {path for path in docs if path}
+
+
+def _revoked(app: FastAPI, jti: str) -> bool:
+    with app.state.session_factory() as session:
+        return repo.token_revoked(session, jti=jti)
 
 
 def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = True) -> FastAPI:
@@ -47,30 +75,70 @@ def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = T
         if settings.job_sweep_s > 0:
             sweeper = JobSweeper(app.state.session_factory, app.state.celery,
                                  interval_s=settings.job_sweep_s,
-                                 max_attempts=settings.max_job_attempts)
+                                 max_attempts=settings.max_job_attempts,
+                                 worker_prune_s=settings.worker_prune_s,
+                                 enqueue_grace_s=settings.job_enqueue_grace_s,
+                                 requeue_s=settings.job_requeue_s)
             sweeper.start()
+        collector = None
+        if settings.gc_interval_s > 0:
+            collector = RetentionThread(app.state.session_factory, app.state.store,
+                                        retention_policy(settings),
+                                        interval_s=settings.gc_interval_s)
+            collector.start()
+        rechecker = None
+        if settings.desired_state_recheck_s > 0:
+            rechecker = Rechecker(app.state.desired_hub, app.state.session_factory,
+                                  interval_s=settings.desired_state_recheck_s,
+                                  key_id=lambda: app.state.signer.signer().key_id)
+            rechecker.start()
+        controller = None
+        if settings.rollout_interval_s > 0:
+            controller = RolloutController(app.state.rollouts,
+                                           interval_s=settings.rollout_interval_s)
+            controller.start()
         yield
+        if controller is not None:
+            controller.stop()
+        if rechecker is not None:
+            rechecker.stop()
         if sweeper is not None:
             sweeper.stop()
+        if collector is not None:
+            collector.stop()
 
+    docs = bool(settings.api_docs)
     app = FastAPI(
         title="Kiln",
         version=KILN_VERSION,
         description="Ahead-of-time compile farm and artifact store for ML models.",
         lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
     )
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = make_session_factory(engine)
     app.state.store = open_store(
-        settings.store_uri, s3_endpoint_url=settings.s3_endpoint_url, s3_region=settings.s3_region
+        settings.store_uri, s3_endpoint_url=settings.s3_endpoint_url, s3_region=settings.s3_region,
+        s3_public_endpoint_url=settings.s3_public_endpoint_url,
     )
     app.state.celery = configure_celery(settings, Celery("kiln-api", set_as_current=False))
+    ensure_keys(settings)
+    app.state.signer = OnlineSigner(settings.signing_key_path)
+    app.state.desired_hub = DesiredStateHub(
+        cache_s=settings.desired_state_cache_s if settings.desired_state_recheck_s > 0 else 0)
+    app.state.rollouts = Rollouts(app.state.session_factory, app.state.desired_hub)
 
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_upload_bytes)
-    for module in (health, models, datasets, jobs, artifacts, workers, deployments, agents,
-                   fleet, plugins, tuning):
+    install_error_pages(app)
+    app.add_middleware(FrontDoor, settings=settings, routes=app.router.routes,
+                       public=public_paths(app), revoked=partial(_revoked, app),
+                       browser=browser_paths())
+    for module in (health, models, datasets, jobs, artifacts, builds, workers, deployments,
+                   agents, fleet, plugins, tuning, tokens, trust, retention, rollouts):
         app.include_router(module.router)
+    app.include_router(ui_router)
     logger.info("API ready: store %s, database %s", settings.store_uri, engine.url.drivername)
     return app

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from typing import Annotated
 
 from celery import Celery
-from fastapi import Depends, Header, Query, Request
+from fastapi import Depends, Header, Path, Query, Request
 from sqlalchemy.orm import Session
 
 from artifact_store import ArtifactStore
 from services.api.auth import Principal, Role, authenticate, require_role
+from services.api.gate import PRINCIPAL, ROLES_ATTR
 from services.config import KilnSettings
+from services.db import repo
+from services.signer import OnlineSigner
 
 
 def get_app_settings(request: Request) -> KilnSettings:
@@ -35,29 +39,52 @@ def get_queue(request: Request) -> Celery:
     return request.app.state.celery
 
 
+def _token_revoked(request: Request, jti: str) -> bool:
+    """Whether ``jti`` is on the revocation list (a database lookup)."""
+    with request.app.state.session_factory() as session:
+        return repo.token_revoked(session, jti=jti)
+
+
+def get_signer(request: Request) -> OnlineSigner:
+    return request.app.state.signer
+
+
 def get_principal(
+    request: Request,
     settings: Annotated[KilnSettings, Depends(get_app_settings)],
     authorization: Annotated[str | None, Header()] = None,
 ) -> Principal:
-    return authenticate(settings.secret_key, authorization)
+    """The caller, as the front door (``services.api.gate``) authenticated it before the body
+    was read; decoded here only for a request that did not pass through it."""
+    principal = getattr(request.state, PRINCIPAL, None)
+    if principal is not None:
+        return principal
+    return authenticate(settings.secret_key, authorization,
+                        lambda jti: _token_revoked(request, jti))
 
 
-def get_admin(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
-    return require_role(principal)
-
-
-def get_reader(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
-    """Anyone authenticated may read models and artifacts (workers and agents pull them)."""
-    return require_role(principal, Role.WORKER, Role.AGENT)
-
-
-def RoleDep(*roles: Role):
-    """A dependency admitting ``roles`` (and admins)."""
+def _role_check(*roles: Role):
+    """A dependency admitting ``roles`` (and admins), marked so that the front door can check
+    the role before the body is read."""
 
     def check(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
         return require_role(principal, *roles)
 
-    return Annotated[Principal, Depends(check)]
+    setattr(check, ROLES_ATTR, roles)
+    return check
+
+
+setattr(get_principal, ROLES_ATTR, None)  # any authenticated role
+#: Admins only.
+get_admin = _role_check()
+#: Anyone authenticated may read models and artifacts (workers and agents pull them; readers
+#: look, e.g. on the dashboard).
+get_reader = _role_check(Role.READER, Role.WORKER, Role.AGENT)
+
+
+def RoleDep(*roles: Role):
+    """A dependency admitting ``roles`` (and admins)."""
+    return Annotated[Principal, Depends(_role_check(*roles))]
 
 
 #: Page size of list routes (the repository's own bound).
@@ -66,6 +93,35 @@ SettingsDep = Annotated[KilnSettings, Depends(get_app_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 StoreDep = Annotated[ArtifactStore, Depends(get_store)]
 QueueDep = Annotated[Celery, Depends(get_queue)]
+SignerDep = Annotated[OnlineSigner, Depends(get_signer)]
 CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
 AdminPrincipal = Annotated[Principal, Depends(get_admin)]
 ReaderPrincipal = Annotated[Principal, Depends(get_reader)]
+
+
+def _resolver(kind: str, param: str):
+    """A dependency turning the path parameter ``param`` (a full id, or a unique prefix of
+    one, as git takes) into the full id; an ambiguous prefix is a 409 listing the matches."""
+
+    def resolve(*, _: Principal, session: Session, value: str) -> str:
+        return repo.resolve_id(session, kind, value)
+
+    # The path parameter's name differs per route, so the signature is built here (string
+    # annotations could not see ``param``).
+    value = Annotated[str, Path(alias=param, description=(
+        f"the {kind}'s full id, or a unique prefix of it (at least {repo.MIN_PREFIX} "
+        f"characters)"))]
+    resolve.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+        inspect.Parameter("_", inspect.Parameter.KEYWORD_ONLY, annotation=ReaderPrincipal),
+        inspect.Parameter("session", inspect.Parameter.KEYWORD_ONLY, annotation=SessionDep),
+        inspect.Parameter("value", inspect.Parameter.KEYWORD_ONLY, annotation=value),
+    ], return_annotation=str)
+    return Annotated[str, Depends(resolve)]
+
+
+ModelId = _resolver("model", "model_id")
+JobId = _resolver("job", "job_id")
+ArtifactId = _resolver("artifact", "artifact_id")
+DatasetId = _resolver("dataset", "dataset_id")
+DeploymentName = _resolver("deployment", "name")
+AgentName = _resolver("agent", "name")

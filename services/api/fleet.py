@@ -11,8 +11,13 @@ meanwhile; the agent moves to the better engine when it lands.
 
 from __future__ import annotations
 
+import json
 import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from celery import Celery
 from sqlalchemy.orm import Session
@@ -20,21 +25,122 @@ from sqlalchemy.orm import Session
 from schemas import CompileJob, CompileOptions, JobStatus
 from schemas.agents import AgentInfo, DesiredModel, DesiredState
 from schemas.deployments import Deployment
+from schemas.fleet import DeploymentCoverage, FleetKey, FleetSummary
 from schemas.options import Portability
+from schemas.rollouts import Rollout
 from services.api.enqueue import enqueue_jobs
 from services.db import repo
+from services.db.tables import utcnow
+
+if TYPE_CHECKING:
+    from services.api.desired import DesiredStateCache
 
 logger = logging.getLogger(__name__)
 
-def choose_backend(deployment: Deployment, agent: AgentInfo) -> tuple[str, str] | None:
+
+@dataclass(frozen=True)
+class AgentProfile:
+    """Everything of an agent that its desired models depend on: agents with equal profiles
+    get the same models, so the models are computed once per profile (``DesiredStateCache``)
+    and a deployment plans once per profile among the agents it selects. Whatever else comes
+    to decide an agent's models (the rollouts that admitted it) is part of this."""
+
+    labels: dict[str, str]
+    fingerprint_keys: dict[str, str]
+    compatibility_keys: dict[str, list[str]]
+    #: One of the agents with this profile, named in log lines.
+    name: str = ""
+    #: The active rollouts that admitted this agent to their new model.
+    admitted: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, agent: AgentInfo, rollouts: Iterable[Rollout] = ()) -> AgentProfile:
+        return cls(labels=dict(agent.labels), fingerprint_keys=dict(agent.fingerprint_keys),
+                   compatibility_keys={k: list(v) for k, v in agent.compatibility_keys.items()},
+                   name=agent.name,
+                   admitted=frozenset(r.id for r in rollouts
+                                      if any(agent.name in c.admitted for c in r.cohorts)))
+
+    @property
+    def key(self) -> str:
+        """Equal for equal profiles, whatever the agent's name."""
+        return json.dumps([self.labels, self.fingerprint_keys, self.compatibility_keys,
+                           sorted(self.admitted)], sort_keys=True, separators=(",", ":"))
+
+
+def choose_backend(deployment: Deployment, agent: AgentProfile | AgentInfo, *,
+                   takes: Callable[[str], bool] | None = None) -> tuple[str, str] | None:
     """(backend, fingerprint key) for this deployment on this agent, or None if the agent has
     no backend the deployment allows. Without a backend list in the options, the agent's own
-    order of preference decides: it reports its keys most preferred first."""
+    order of preference decides: it reports its keys most preferred first. ``takes(key)``:
+    whether the key's backend builds the deployment's model format (keys it refuses are
+    passed over: a torch program goes to the AOTInductor key, not to onnxruntime's)."""
     for backend in deployment.options.backends or list(agent.fingerprint_keys):
         key = agent.fingerprint_keys.get(backend)
-        if key:
+        if key and (takes is None or takes(key)):
             return backend, key
     return None
+
+
+_TIER_ORDER = ("exact", "compatible", "fallback", "none")
+
+
+def fleet_summary(session: Session, agents: list[AgentInfo]) -> FleetSummary:
+    """The fleet's fingerprint keys (agents, live agents, workers per key) and, per deployment,
+    the best tier its selected agents get on each key (``GET /v1/fleet`` and the dashboard)."""
+    served = repo.live_worker_keys(session)
+    counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for agent in agents:
+        for backend, key in agent.fingerprint_keys.items():
+            counts[(key, backend)][0] += 1
+            counts[(key, backend)][1] += agent.alive
+    keys = [FleetKey(fingerprint_key=key, backend=backend, agents=total, alive_agents=alive,
+                     workers=int(key in served))
+            for (key, backend), (total, alive) in sorted(counts.items())]
+
+    coverage = []
+    deployments = repo.list_deployments(session)
+    built = repo.ready_keys(session, model_ids={d.model_id for d in deployments})
+    for deployment in deployments:
+        tiers: dict[str, str] = {}
+        for agent in agents:
+            choice = deployment.selects(agent.labels) and choose_backend(deployment, agent)
+            if not choice:
+                continue
+            _, key = choice
+            if (deployment.model_id, deployment.options_digest, key) in built:
+                tier = "exact"
+            else:
+                reported = [m.tier for m in agent.models
+                            if m.deployment == deployment.name and m.tier]
+                tier = reported[0] if reported else "none"
+            previous = tiers.get(key, "none")
+            tiers[key] = min(tier, previous, key=_TIER_ORDER.index)
+        coverage.append(DeploymentCoverage(deployment=deployment.name, keys=tiers))
+    return FleetSummary(keys=keys, deployments=coverage)
+
+
+def previous(deployment: Deployment, rollout: Rollout) -> Deployment:
+    """The deployment as it was when the rollout started."""
+    return deployment.model_copy(update={
+        "model_id": rollout.from_model_id, "options": rollout.from_options,
+        "options_digest": rollout.from_options_digest})
+
+
+def cohort_key(deployment: Deployment, agent: AgentInfo) -> str | None:
+    choice = choose_backend(deployment, agent)
+    return None if choice is None else choice[1]
+
+
+def which_deployment(deployment: Deployment, rollout: Rollout | None,
+                     agent: AgentProfile) -> tuple[Deployment, str | None]:
+    """The deployment as ``agent`` should run it now, and the id of the rollout whose gates
+    it reports on (when it is admitted to one's new model)."""
+    if rollout is None or not rollout.state.active:
+        return deployment, None
+    if rollout.id in agent.admitted:
+        return deployment, rollout.id
+    return previous(deployment, rollout), None
 
 
 def portable_options(options: CompileOptions) -> CompileOptions:
@@ -53,6 +159,7 @@ class Planner:
         self.queue = queue
         self.to_enqueue: list[CompileJob] = []
         self._served: set[str] | None = None
+        self._formats: dict[str, set[str]] | None = None
         self._workers = None
 
     def served_keys(self) -> set[str]:
@@ -63,12 +170,24 @@ class Planner:
     def build(self, model_id: str, options: CompileOptions, key: str, *,
               newer_than: datetime | None = None) -> CompileJob:
         """The newest job for this cache key (created after ``newer_than`` when given), or a
-        new one. A failed build is not retried on every heartbeat: its job (and error) is
-        reported instead."""
+        new one. A failed build is not retried on every heartbeat: its job (error and
+        ``retry_at``) is reported until its backoff has passed, then a new job is queued."""
         job = repo.latest_job(self.session, model_id=model_id, options_digest=options.digest(),
                               fingerprint_key=key)
-        if job is not None and (newer_than is None or job.created_at > newer_than):
-            return job
+        if (job is not None and (newer_than is None or job.created_at > newer_than)
+                and not self._lost(job)):
+            if job.status is not JobStatus.FAILED:
+                return job
+            # A failed build is retried with backoff, as a new job; meanwhile the failed job
+            # (its error and ``retry_at``) is what the agent and the operator see.
+            settings = self.queue.kiln_settings  # type: ignore[attr-defined]
+            retry_at = repo.schedule_build_retry(
+                self.session, job_id=job.id, base_s=settings.build_retry_base_s,
+                max_s=settings.build_retry_max_s)
+            if retry_at is None or utcnow() < retry_at:
+                return repo.get_job(self.session, job_id=job.id)
+            logger.warning("build %s of model %s for %s failed (%s); retrying it as a new job",
+                           job.id, model_id[:12], key, job.error.code if job.error else "?")
         job = repo.create_job(self.session, model_id=model_id, options=options,
                               fingerprint_key=key)
         if key not in self.served_keys():  # its task waits in build.<key>
@@ -77,6 +196,14 @@ class Planner:
         self.to_enqueue.append(job)
         logger.info("queued build %s of model %s for %s", job.id, model_id[:12], key)
         return job
+
+    def _lost(self, job: CompileJob) -> bool:
+        """A succeeded job whose artifact is gone or broken is no reason not to build."""
+        if job.status is not JobStatus.SUCCEEDED:
+            return False
+        if job.artifact_id is None:
+            return True
+        return repo.get_artifact(self.session, artifact_id=job.artifact_id).state == repo.BROKEN
 
     def portable_build(self, model_id: str, options: CompileOptions,
                        compatibility_keys: list[str]) -> CompileJob | None:
@@ -89,11 +216,19 @@ class Planner:
                     return self.build(model_id, portable_options(options), key)
         return None
 
-    def resolve(self, deployment: Deployment, agent: AgentInfo) -> DesiredModel | None:
-        choice = choose_backend(deployment, agent)
+    def takes(self, model_id: str) -> Callable[[str], bool]:
+        """Whether a key's live workers build this model's format (unknown keys: yes)."""
+        if self._formats is None:
+            self._formats = repo.live_worker_formats(self.session)
+        formats = self._formats
+        model_format = repo.get_model(self.session, model_id=model_id).format
+        return lambda key: key not in formats or model_format in formats[key]
+
+    def resolve(self, deployment: Deployment, agent: AgentProfile) -> DesiredModel | None:
+        choice = choose_backend(deployment, agent, takes=self.takes(deployment.model_id))
         if choice is None:
             logger.warning("agent %s has no backend for deployment %s (allowed: %s; has %s)",
-                           agent.name, deployment.name,
+                           agent.name or f"labelled {agent.labels}", deployment.name,
                            deployment.options.backends or "any",
                            sorted(agent.fingerprint_keys))
             return None
@@ -102,7 +237,7 @@ class Planner:
         desired = DesiredModel(
             deployment=deployment.name, deployment_id=deployment.id,
             generation=deployment.generation, model_id=model_id, options_digest=digest,
-            backend=backend,
+            backend=backend, fingerprint_key=key,
         )
         exact = repo.find_artifact(self.session, model_id=model_id, options_digest=digest,
                                    fingerprint_key=key)
@@ -116,7 +251,7 @@ class Planner:
             return desired
 
         job = self.build(model_id, deployment.options, key)
-        desired = desired.model_copy(update={"job_id": job.id})
+        desired = desired.model_copy(update={"job_id": job.id, "retry_at": job.retry_at})
         compat = agent.compatibility_keys.get(backend, [])
         for tier, options_digest in (("compatible", digest), ("fallback", None)):
             found = repo.find_compatible_artifact(
@@ -129,34 +264,56 @@ class Planner:
 
     def commit(self) -> None:
         self.session.commit()
-        enqueue_jobs(self.session, self.queue, self.to_enqueue)
+        # A build the broker refused stays queued; the API's sweep sends it when it is back.
+        enqueue_jobs(self.session, self.queue, self.to_enqueue, fail_unsent=False)
         self.to_enqueue.clear()
 
 
-def desired_state(
-    session: Session, queue: Celery, agent: AgentInfo, *, heartbeat_s: float
-) -> DesiredState:
-    """The models ``agent`` should serve now, queueing whatever builds that needs."""
+def desired_models(session: Session, queue: Celery, profile: AgentProfile,
+                   ) -> list[DesiredModel]:
+    """The models the agents of ``profile`` should serve now, queueing whatever builds that
+    needs."""
     planner = Planner(session, queue)
-    models = [
-        desired
-        for deployment in repo.list_deployments(session)
-        if deployment.selects(agent.labels)
-        and (desired := planner.resolve(deployment, agent)) is not None
-    ]
+    rollouts = repo.active_rollouts(session)
+    models = []
+    for deployment in repo.list_deployments(session):
+        if not deployment.selects(profile.labels):
+            continue
+        runs, rollout_id = which_deployment(deployment, rollouts.get(deployment.id), profile)
+        desired = planner.resolve(runs, profile)
+        if desired is not None:
+            models.append(desired.model_copy(update={"rollout_id": rollout_id}))
     planner.commit()
+    return models
+
+
+def desired_state(
+    session: Session, queue: Celery, agent: AgentInfo, *, heartbeat_s: float,
+    cache: DesiredStateCache | None = None,
+) -> DesiredState:
+    """The models ``agent`` should serve now; with ``cache``, computed only when no agent of
+    the same profile had them computed since the last change that concerns them."""
+    profile = AgentProfile.of(agent, repo.active_rollouts(session).values())
+    if cache is None:
+        models = desired_models(session, queue, profile)
+    else:
+        models = cache.models(profile, lambda: desired_models(session, queue, profile))
     return DesiredState(agent=agent.name, models=models, heartbeat_s=heartbeat_s)
 
 
 def ensure_builds(session: Session, queue: Celery, deployment: Deployment) -> list[str]:
-    """Queue builds for every live agent the deployment selects. Returns the ids of the jobs
+    """Queue builds for every live agent the deployment selects, planning once per distinct
+    profile among them (the fleet's other agents are not read). Returns the ids of the jobs
     building those agents' exact engines (new or in flight)."""
+    profiles: dict[str, AgentProfile] = {}
+    for labels, keys, compat in repo.selected_agent_keys(session, selector=deployment.selector):
+        profile = AgentProfile(labels=labels, fingerprint_keys=keys, compatibility_keys=compat)
+        profiles.setdefault(profile.key, profile)
     planner = Planner(session, queue)
     job_ids = {
         desired.job_id
-        for agent in repo.list_agents(session)
-        if agent.alive and deployment.selects(agent.labels)
-        and (desired := planner.resolve(deployment, agent)) is not None and desired.job_id
+        for profile in profiles.values()
+        if (desired := planner.resolve(deployment, profile)) is not None and desired.job_id
     }
     planner.commit()
     return sorted(job_ids)

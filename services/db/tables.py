@@ -67,13 +67,15 @@ class Base(DeclarativeBase):
 
 
 class ModelRow(Base):
-    """A submitted ONNX model, keyed by the sha256 of its bytes."""
+    """A submitted model (ONNX or a torch.export archive), keyed by the sha256 of its bytes."""
 
     __tablename__ = "models"
 
     id: Mapped[str] = mapped_column(sa.String(SHA256_LEN), primary_key=True)
     name: Mapped[str] = mapped_column(sa.String(512))
     size_bytes: Mapped[int] = mapped_column(sa.BigInteger)
+    #: ``onnx`` or ``torch-export`` (``ModelInfo.format``).
+    format: Mapped[str] = mapped_column(sa.String(32), default="onnx", server_default="onnx")
     opset: Mapped[int] = mapped_column(sa.Integer)
     ir_version: Mapped[int] = mapped_column(sa.Integer)
     inputs: Mapped[list[dict[str, Any]]] = mapped_column(sa.JSON)
@@ -111,7 +113,10 @@ class ArtifactRow(Base):
     size_bytes: Mapped[int] = mapped_column(sa.BigInteger)
     max_abs_error: Mapped[float] = mapped_column(sa.Float)
     p50_ms: Mapped[float] = mapped_column(sa.Float)
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+    #: ``ready`` or ``broken`` (the store lost a part of it: never handed out, rebuilt).
+    state: Mapped[str] = mapped_column(sa.String(16), default="ready", server_default="ready")
+    broken_reason: Mapped[str | None] = mapped_column(sa.Text)
 
 
 class CompileJobRow(Base):
@@ -138,11 +143,30 @@ class CompileJobRow(Base):
     )
     cache_hit: Mapped[bool] = mapped_column(sa.Boolean, default=False)
     attempts: Mapped[int] = mapped_column(sa.Integer, default=0)
+    #: Operator retries (``/retry``); the task id of each retry differs (``task_id``).
+    retries: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+    #: A forced rebuild: the worker does not answer it from an existing artifact.
+    force: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
     worker: Mapped[str | None] = mapped_column(sa.String(255))
+    #: The worker process (its instance id, new at every start) that runs the job: liveness
+    #: is judged by instance, so a worker restarted under the same name never hides a dead
+    #: predecessor's job.
+    worker_instance: Mapped[str | None] = mapped_column(sa.String(64))
+    #: The process of that instance building it (a pool child): a redelivery to the same
+    #: instance takes over only when that process is gone.
+    worker_pid: Mapped[int | None] = mapped_column(sa.Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
-    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), index=True)
+    #: When its task was last sent to the broker (NULL: never, e.g. the API died between
+    #: commit and enqueue); the sweep sends it again after a grace period.
+    enqueued_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    #: A running job not finished by then is failed ``timed_out`` by the sweep (the task's
+    #: hard time limit plus a grace).
+    deadline_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    #: A failed build behind a deployment is retried (as a new job) from this time on.
+    retry_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class WorkerRow(Base):
@@ -154,6 +178,8 @@ class WorkerRow(Base):
     fingerprint_keys: Mapped[list[str]] = mapped_column(sa.JSON)
     #: Fingerprint key → compatibility key of the portable engines built there.
     compatibility_keys: Mapped[dict[str, str] | None] = mapped_column(sa.JSON)
+    #: Fingerprint key → the model formats built there (``WorkerInfo.model_formats``).
+    model_formats: Mapped[dict[str, list[str]] | None] = mapped_column(sa.JSON)
     #: ``HardwareFingerprint.model_dump(mode="json")``.
     fingerprint: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
@@ -161,6 +187,8 @@ class WorkerRow(Base):
     stopped: Mapped[bool] = mapped_column(sa.Boolean, default=False)
     #: The worker's heartbeat interval, seconds: it is alive while beats keep to it.
     heartbeat_s: Mapped[float | None] = mapped_column(sa.Float)
+    #: The process now beating under ``name`` (a uuid per start).
+    instance: Mapped[str | None] = mapped_column(sa.String(64))
 
 
 class DeploymentRow(Base):
@@ -175,6 +203,32 @@ class DeploymentRow(Base):
     options_digest: Mapped[str] = mapped_column(sa.String(SHA256_LEN))
     selector: Mapped[dict[str, str]] = mapped_column(sa.JSON)
     generation: Mapped[int] = mapped_column(sa.Integer, default=1)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class RolloutRow(Base):
+    """A deployment change delivered in stages per fingerprint cohort (``schemas.rollouts``).
+    At most one rollout of a deployment is active (running, paused or halted) at a time."""
+
+    __tablename__ = "rollouts"
+
+    id: Mapped[str] = mapped_column(sa.String(JOB_ID_LEN), primary_key=True)
+    deployment_id: Mapped[str] = mapped_column(
+        sa.String(JOB_ID_LEN), sa.ForeignKey("deployments.id", ondelete="CASCADE"), index=True)
+    state: Mapped[str] = mapped_column(sa.String(16), index=True)
+    #: ``RolloutPolicy.model_dump(mode="json")``.
+    policy: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
+    from_model_id: Mapped[str] = mapped_column(sa.String(SHA256_LEN))
+    from_options: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
+    from_options_digest: Mapped[str] = mapped_column(sa.String(SHA256_LEN))
+    to_model_id: Mapped[str] = mapped_column(sa.String(SHA256_LEN))
+    to_options_digest: Mapped[str] = mapped_column(sa.String(SHA256_LEN))
+    #: Fingerprint key → cohort (stage, stage start, admitted agents, halt reason, ...).
+    cohorts: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
+    #: Agent name → its last ``RolloutReport.model_dump(mode="json")``.
+    reports: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
+    reason: Mapped[str | None] = mapped_column(sa.String(1000))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
@@ -196,6 +250,8 @@ class AgentRow(Base):
     models: Mapped[list[dict[str, Any]]] = mapped_column(sa.JSON)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+    #: ``TrustStatus.model_dump(mode="json")`` from the last heartbeat (stale, version, ...).
+    trust: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON)
 
 
 class PluginRow(Base):
@@ -247,3 +303,16 @@ class TuningRecordRow(Base):
     #: ``TuningTable.model_dump(mode="json")``.
     tuning_table: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class RevokedTokenRow(Base):
+    """An API token revoked before its expiry (``kiln token revoke``), by its ``jti``."""
+
+    __tablename__ = "revoked_tokens"
+
+    jti: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    revoked_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    #: The token's own expiry when known: after it the row is no longer needed.
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    #: Why it was revoked (free text from the admin).
+    reason: Mapped[str] = mapped_column(sa.String(200), default="")

@@ -11,6 +11,7 @@ from typing import Any
 
 from celery import Celery
 
+from schemas.options import CompileOptions
 from services.config import KilnSettings, get_settings
 from services.queue.filesystem import TRANSPORT as FILESYSTEM_TRANSPORT
 
@@ -19,6 +20,7 @@ celery_app = Celery("kiln", set_as_current=False)
 # A compile can take far longer than Redis' default one-hour visibility timeout; an unacked
 # task whose worker vanished is redelivered after this many seconds.
 VISIBILITY_TIMEOUT_S = 6 * 3600
+DEFAULT_TUNING_BUDGET_S = CompileOptions.model_fields["tuning_budget_s"].default
 
 
 def celery_config(settings: KilnSettings) -> dict[str, Any]:
@@ -41,8 +43,13 @@ def celery_config(settings: KilnSettings) -> dict[str, Any]:
         }
     elif settings.broker_url.startswith(("redis", "rediss")):
         broker_options = {"visibility_timeout": VISIBILITY_TIMEOUT_S}
+    soft, hard = settings.job_time_limits(DEFAULT_TUNING_BUDGET_S)
     return {
         "broker_url": settings.broker_url,
+        # A task sent without limits of its own (enqueue_compile gives each job its own,
+        # from its tuning budget) still ends.
+        "task_soft_time_limit": soft,
+        "task_time_limit": hard,
         **transport,
         "broker_transport_options": broker_options,
         "broker_connection_retry_on_startup": True,

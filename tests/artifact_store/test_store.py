@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -162,9 +163,9 @@ def test_publish_then_read_with_verifier(
 
     published = store.publish_manifest(manifest, signer)
 
-    assert manifest.signature is None  # the caller's object is not modified
-    assert published.signature is not None
-    assert published.signature.key_id == signer.key_id
+    assert published == manifest
+    envelope = json.loads(store.manifest_bytes("art-42"))  # stored as a signed envelope
+    assert [s["keyid"] for s in envelope["signatures"]] == [signer.key_id]
     verifier = Verifier([signer.public_pem()])
     assert store.read_manifest("art-42", verifier) == published
     assert store.has_manifest("art-42")
@@ -192,7 +193,9 @@ def test_tampered_manifest_fails_verification(
     manifest = store.publish_manifest(make_manifest([ref]), signer)
     key = store.manifest_key(manifest.artifact_id)
     stored = json.loads(store.get_bytes(key))
-    stored["verification"]["max_abs_error"] = 0.0
+    payload = json.loads(base64.b64decode(stored["payload"]))
+    payload["verification"]["max_abs_error"] = 0.0
+    stored["payload"] = base64.b64encode(json.dumps(payload).encode()).decode()
     store.put_bytes(key, json.dumps(stored).encode())
     verifier = Verifier([signer.public_pem()])
 
@@ -216,8 +219,26 @@ def test_manifest_signed_by_untrusted_key_fails(
 
 def test_stored_manifest_that_is_not_json_is_an_integrity_error(store: ArtifactStore) -> None:
     store.put_bytes(store.manifest_key("art-1"), b"{not json")
-    with pytest.raises(IntegrityError, match="not a valid manifest"):
+    with pytest.raises(IntegrityError, match="not a valid artifact manifest"):
         store.read_manifest("art-1")
+
+
+def test_resign_keeps_the_payload_and_changes_the_key(
+    store: ArtifactStore, signer: Signer, make_manifest: ManifestBuilder, tmp_path: Path
+) -> None:
+    ref = store.put_blob_bytes(b"engine bytes", name="engine")
+    store.publish_manifest(make_manifest([ref]), signer)
+    before = json.loads(store.manifest_bytes("art-1"))
+    new = generate_keypair(tmp_path / "new.pem")
+
+    assert store.resign_manifests([new]) == ["art-1"]
+
+    after = json.loads(store.manifest_bytes("art-1"))
+    assert after["payload"] == before["payload"]
+    assert [s["keyid"] for s in after["signatures"]] == [new.key_id]
+    store.read_manifest("art-1", Verifier([new.public_pem()]))
+    with pytest.raises(SignatureInvalid, match="not trusted"):
+        store.read_manifest("art-1", Verifier([signer.public_pem()]))
 
 
 def test_unknown_ids_and_keys_are_not_found(store: ArtifactStore) -> None:

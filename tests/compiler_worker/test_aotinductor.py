@@ -23,7 +23,7 @@ from compiler_worker.backends.aotinductor import (
     forbidden_instructions,
     vector_settings,
 )
-from compiler_worker.worker import fingerprint_keys
+from compiler_worker.worker import fingerprint_keys, model_formats
 from kiln.examples import mlp
 from runtime_agent.executors import blob_filename, load_executor
 from runtime_agent.fingerprint import isa_class, older_variant
@@ -54,9 +54,14 @@ def test_registered_beside_onnxruntime_and_tensorrt_but_never_picked_by_default(
     fp = torch_fp(V4)
     assert backend_for(fp, CompileOptions()).name == "onnxruntime"
     assert backend_for(fp, CompileOptions(backends=["aotinductor"])).name == "aotinductor"
-    # Workers do not serve its queue while the pipeline hands out ONNX models only.
-    assert AOTI.fingerprint_key(fp) not in fingerprint_keys(fp)
-    assert fingerprint_keys(fp) == ["ort-cpu-x86-64-v4-ort1.32"]
+    # Workers serve its queue, for torch.export models only.
+    assert fingerprint_keys(fp) == ["ort-cpu-x86-64-v4-ort1.32", AOTI.fingerprint_key(fp)]
+    assert model_formats(fp) == {"ort-cpu-x86-64-v4-ort1.32": ["onnx"],
+                                 AOTI.fingerprint_key(fp): ["torch-export"]}
+    # A job names no backend: the model's format picks one.
+    assert backend_for(fp, CompileOptions(), model_format="torch-export").name == "aotinductor"
+    with pytest.raises(BackendUnavailable, match="builds \\['torch-export'\\] models, not onnx"):
+        backend_for(fp, CompileOptions(backends=["aotinductor"]), model_format="onnx")
 
 
 def test_candidates_default_first_fp32_only() -> None:

@@ -179,8 +179,10 @@ def test_large_engines_keep_their_initializers_in_a_second_blob(
     monkeypatch.setattr(ort_backend, "EXTERNAL_DATA_THRESHOLD", 0)
     result = compile_model(mlp().SerializeToString(), CompileOptions(tune="off"),
                            fingerprint=fingerprint, workdir=tmp_path / "work")
+    from runtime_agent.golden import GOLDEN_BLOB
+
     names = [blob.name for blob in result.manifest.blobs]
-    assert names == ["engine", ort_backend.ENGINE_DATA_BLOB]
+    assert names == ["engine", ort_backend.ENGINE_DATA_BLOB, GOLDEN_BLOB]
     engine = onnx.load(str(result.blob_paths["engine"]), load_external_data=False)
     assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in engine.graph.initializer)
     out = write_artifact_dir(result, tmp_path / "artifact")

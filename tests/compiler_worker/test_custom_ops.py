@@ -171,7 +171,8 @@ def test_a_plugin_without_an_implementation_for_the_target_is_refused(
     with pytest.raises(NoImplementation, match=r"op kiln.examples::Swish has no implementation "
                                                r"for backend 'onnxruntime' on device 'cpu' in "
                                                r"plugin swish 9.0.0-gpu; it has implementations "
-                                               r"for \['onnxruntime/cuda'\]") as info:
+                                               r"for \['onnxruntime/cuda', 'torch/cpu', "
+                                               r"'torch/cuda'\]") as info:
         compile_model(models.swish_cnn().SerializeToString(), fast_options(),
                       fingerprint=fingerprint, workdir=tmp_path / "w",
                       plugins=[gpu_only.plugin])

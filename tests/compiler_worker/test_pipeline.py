@@ -96,7 +96,10 @@ def test_compiles_verifies_and_benchmarks(builder, level: int, tmp_path: Path,
     assert bench.iterations == 3 and bench.p50_ms > 0 and bench.reference_p50_ms
     assert next(iter(bench.input_shapes.values()))[0] == 1  # dynamic batch fed as 1
 
-    [blob] = manifest.blobs
+    # The engine, and the golden samples the agent checks it with on the device.
+    blob, golden = manifest.blobs
+    assert golden.name == "golden.npz"
+    assert golden.sha256 == hashlib.sha256(result.blob_paths[golden.name].read_bytes()).hexdigest()
     path = result.blob_paths["engine"]
     assert path.name == "engine.onnx"
     assert blob.size == path.stat().st_size
@@ -108,7 +111,8 @@ def test_artifact_dir_round_trip(tmp_path: Path, fingerprint: HardwareFingerprin
     result = compile_model(model.SerializeToString(), fast_options(), fingerprint=fingerprint,
                            workdir=tmp_path / "work")
     out = write_artifact_dir(result, tmp_path / "artifact")
-    assert sorted(p.name for p in out.iterdir()) == ["engine.onnx", "manifest.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["engine.onnx", "golden.npz",
+                                                   "manifest.json"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     manifest = ArtifactManifest.model_validate_json((out / "manifest.json").read_text())
     assert manifest == result.manifest

@@ -9,6 +9,7 @@ from pathlib import Path
 import onnx
 import pytest
 
+from compiler_worker.backends.base import Backend
 from compiler_worker.backends.tensorrt import (
     TensorRTBackend,
     profile_shapes,
@@ -143,3 +144,18 @@ def test_build_without_tensorrt_is_backend_unavailable(tmp_path: Path) -> None:
         TRT.build(path, CompileOptions(), tmp_path / "out", fingerprint=H100)
     with pytest.raises(BackendUnavailable, match="TensorRT is not installed"):
         TRT.toolchain()
+
+
+def test_tensorrt_has_the_same_unit_shape_as_the_other_backends() -> None:
+    """Same surface as onnxruntime and AOTInductor: candidates, check_options, the _build
+    signature, and the model formats it takes (ONNX). No TensorRT build ever ran here."""
+    import inspect
+
+    from compiler_worker.backends import AOTInductorBackend, OnnxRuntimeBackend, TensorRTBackend
+
+    assert TensorRTBackend.model_formats == frozenset({"onnx"})
+    build = inspect.signature(TensorRTBackend._build).parameters
+    for other in (AOTInductorBackend, OnnxRuntimeBackend):
+        assert list(inspect.signature(other._build).parameters) == list(build)
+        for method in ("candidates", "check_options", "toolchain"):
+            assert getattr(TensorRTBackend, method) is not getattr(Backend, method)

@@ -33,9 +33,9 @@ class AgentProcess:
             sys.executable, "-m", "kiln.cli", "agent", "--api", self.stack.api_url,
             "--token", self.stack.token, "--name", self.name, "--labels", self.labels,
             "--port", str(self.port), "--cache-dir", str(self.cache_dir),
-            "--trusted-key", str(self.stack.home / "signing.key.pub"), *extra,
+            "--root-key", str(self.stack.home / "root.key.pub"), *extra,
         ]
-        env = {**os.environ, **(env or {}), "KILN_AGENT_HEARTBEAT_S": "0.5"}
+        env = {**os.environ, "KILN_AGENT_HEARTBEAT_S": "0.5", **(env or {})}
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
@@ -54,12 +54,15 @@ class AgentProcess:
         return {m["name"]: m for m in response.json()} if response.status_code == 200 else {}
 
     def wait_serving(self, deployment: str, *, artifact_id: str | None = None,
-                     timeout_s: float = 120) -> dict:
+                     tier: str | None = None, timeout_s: float = 120) -> dict:
+        """The deployment's state once the agent serves it (from ``artifact_id``, at ``tier``,
+        when given): a node may serve a fallback first while its own engine builds."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert self.proc is not None and self.proc.poll() is None, self.log.read_text()
             model = self.models().get(deployment)
-            if model and (artifact_id is None or model["artifact_id"] == artifact_id):
+            if model and (artifact_id is None or model["artifact_id"] == artifact_id) \
+                    and (tier is None or model["tier"] == tier):
                 return model
             time.sleep(0.2)
         raise AssertionError(f"{deployment} not served within {timeout_s}s:\n"

@@ -3,6 +3,7 @@ a blob store, on loopback."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,13 +14,17 @@ from kiln.client import KilnClient
 from kiln.stack import EmbeddedStack
 from tests.conftest import free_port
 
-REDIS_TEST_DB = 11
+# Integration stacks flush this Redis database when they start. Runs that share one Redis
+# (several checkouts tested side by side) give each its own number.
+REDIS_TEST_DB = int(os.environ.get("KILN_TEST_REDIS_DB", "11"))
 
 
-def wait_for_worker(client: KilnClient, timeout_s: float = 60) -> list[str]:
+def wait_for_worker(client: KilnClient, timeout_s: float = 60,
+                    model_format: str = "onnx") -> list[str]:
+    """The keys live workers serve for ``model_format`` (the tests' models are ONNX)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        keys = client.live_fingerprint_keys()
+        keys = client.live_fingerprint_keys(model_format)
         if keys:
             return keys
         time.sleep(0.3)

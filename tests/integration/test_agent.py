@@ -58,7 +58,7 @@ def test_serves_restarts_from_cache_offline_and_catches_up(stack, agents, tmp_pa
     other = AgentProcess(stack, "n2", "site=b", tmp_path).start()
     agents.extend([agent, other])
 
-    served = agent.wait_serving("mlp")
+    served = agent.wait_serving("mlp", tier="exact")  # a fallback may come first
     np.testing.assert_allclose(outputs(agent.infer("mlp", X))["y"], reference(model, X)["y"],
                                rtol=1e-4, atol=1e-5)
     listed = {a["name"]: a for a in client.list_agents()}
@@ -66,6 +66,8 @@ def test_serves_restarts_from_cache_offline_and_catches_up(stack, agents, tmp_pa
     time.sleep(1.5)  # a heartbeat carries the status
     assert agent_status(client, "n1", "mlp")["state"] == "serving"
     assert agent_status(client, "n1", "mlp")["artifact_id"] == served["artifact_id"]
+    trust = client.get_agent("n1")["trust"]  # it follows root metadata from the root key
+    assert trust["root_version"] == 1 and not trust["stale"] and trust["refused"] is None
     assert other.models() == {}  # not selected
     listed_cli = kiln_cli(stack, "agents")
     assert "n1" in listed_cli and "mlp: serving" in listed_cli
@@ -98,7 +100,7 @@ def test_corrupted_cache_is_refetched_and_tampered_download_refused(stack, agent
     deploy(client, "svc", mlp(seed=1).SerializeToString(), {"site": "a"})
     agent = AgentProcess(stack, "n1", "site=a", tmp_path).start()
     agents.append(agent)
-    served = agent.wait_serving("svc")
+    served = agent.wait_serving("svc", tier="exact")
 
     # Corrupt the cached engine while the agent is down: it is detected and fetched again.
     agent.kill()
@@ -112,7 +114,7 @@ def test_corrupted_cache_is_refetched_and_tampered_download_refused(stack, agent
     # An engine whose bytes in the store no longer match its manifest is refused.
     new = mlp(seed=2).SerializeToString()
     model = client.upload_model(new)
-    (job,) = client.create_jobs(model.id, client.live_fingerprint_keys())
+    (job,) = client.create_jobs(model.id, client.live_fingerprint_keys("onnx"))
     job = client.wait_job(job.id, timeout_s=120)
     assert job.status is JobStatus.SUCCEEDED
     blob = client.get_manifest(job.artifact_id).blob("engine")
@@ -137,7 +139,7 @@ def test_deployment_change_swaps_with_no_failed_requests(stack, agents, tmp_path
     deploy(client, "svc", old, {"site": "a"})
     agent = AgentProcess(stack, "n1", "site=a", tmp_path).start()
     agents.append(agent)
-    first = agent.wait_serving("svc")
+    first = agent.wait_serving("svc", tier="exact")
     want_old, want_new = reference(old, X)["y"], reference(new, X)["y"]
 
     results: list[tuple[int, str]] = []
@@ -160,9 +162,9 @@ def test_deployment_change_swaps_with_no_failed_requests(stack, agents, tmp_path
         time.sleep(0.5)
         new_id = client.upload_model(new).id
         client.deploy("svc", new_id, selector={"site": "a"})
-        swapped = agent.wait_serving("svc", timeout_s=120)
+        swapped = agent.wait_serving("svc", tier="exact", timeout_s=120)
         while swapped["artifact_id"] == first["artifact_id"]:
-            swapped = agent.wait_serving("svc")
+            swapped = agent.wait_serving("svc", tier="exact")
         time.sleep(0.5)
     finally:
         stop.set()
@@ -173,3 +175,52 @@ def test_deployment_change_swaps_with_no_failed_requests(stack, agents, tmp_path
     assert "old" in kinds and "new" in kinds
     # Once the new engine serves, no request goes back to the old one.
     assert kinds[kinds.index("new"):].count("old") == 0
+
+
+def test_online_key_rotation_on_a_running_stack(stack, agents, tmp_path):
+    """`kiln keys rotate` on a running stack: the agent (provisioned with the root key only)
+    follows the new root version, keeps its cached engine (re-signed), and loads an engine
+    the worker signs with the new key; the old key's signature is no longer accepted."""
+    from artifact_store.signing import TrustedRoot, Verifier, load_signer
+
+    client = stack.client()
+    old_model, new_model = mlp(seed=1).SerializeToString(), mlp(seed=3).SerializeToString()
+    deploy(client, "svc", old_model, {"site": "a"})
+    agent = AgentProcess(stack, "n1", "site=a", tmp_path).start()
+    agents.append(agent)
+    first = agent.wait_serving("svc", tier="exact")  # a fallback may come first
+    old_key = load_signer(stack.home / "signing.key")
+
+    out = kiln_cli(stack, "keys", "rotate")
+    assert "root metadata version 2" in out
+    new_key = load_signer(stack.home / "signing.key")
+    assert new_key.key_id != old_key.key_id
+
+    deadline = time.monotonic() + 30
+    while (client.get_agent("n1").get("trust") or {}).get("root_version") != 2:
+        assert time.monotonic() < deadline, client.get_agent("n1")
+        time.sleep(0.3)
+    assert outputs(agent.infer("svc", X))["y"].shape == (4, 16)  # still serving
+
+    # The worker signs the next engine with the new key; the agent swaps to it.
+    client.deploy("svc", client.upload_model(new_model).id, selector={"site": "a"})
+    deadline = time.monotonic() + 120
+    while (served := agent.wait_serving("svc", tier="exact"))["artifact_id"] == \
+            first["artifact_id"]:
+        assert time.monotonic() < deadline, agent.log.read_text()[-3000:]
+        time.sleep(0.3)
+    np.testing.assert_allclose(outputs(agent.infer("svc", X))["y"],
+                               reference(new_model, X)["y"], rtol=1e-4, atol=1e-5)
+    signed = client.get_signed_manifest(served["artifact_id"])
+    trusted = TrustedRoot(client._call("GET", "/v1/trust/root").content)
+    assert trusted.key_ids == [new_key.key_id]
+    trusted.verify_manifest(signed)
+    with pytest.raises(KilnError, match="not trusted"):
+        Verifier([old_key.public_pem()]).verify_manifest(signed)
+
+    # Restarted, it loads its cached engines under the new key without a refusal.
+    agent.kill()
+    agent.start()
+    agent.wait_serving("svc", artifact_id=served["artifact_id"], timeout_s=60)
+    time.sleep(1.5)
+    assert (client.get_agent("n1")["trust"] or {}).get("refused") is None

@@ -45,13 +45,24 @@ def test_submit_compile_verify_publish(kiln_stack, tmp_path: Path):
     assert manifest.verification.passed and manifest.verification.samples >= 1
     assert manifest.benchmark.p50_ms > 0 and manifest.benchmark.p90_ms >= manifest.benchmark.p50_ms
     assert manifest.build_fingerprint.cpu.arch
-    load_verifier([kiln_stack.home / "signing.key.pub"]).verify(manifest)
+    signed = kiln_stack.client.get_signed_manifest(job.artifact_id)
+    assert load_verifier([kiln_stack.home / "signing.key.pub"]).verify_manifest(
+        signed, artifact_id=job.artifact_id) == manifest
 
     engine = manifest.blob("engine")
     dest = kiln_stack.client.download_blob(job.artifact_id, engine, tmp_path / "engine.onnx")
     assert hashlib.sha256(dest.read_bytes()).hexdigest() == engine.sha256
     listed = kiln_stack.client.list_artifacts(fingerprint_key=job.fingerprint_key)
     assert [a.id for a in listed] == [job.artifact_id]
+
+    # The control plane signed it: the worker that built it was never handed the signing key
+    # or the JWT secret, only a worker token and the API's URL.
+    (worker,) = [p for p in kiln_stack.stack.processes if "worker" in p.args]
+    environ = dict(entry.split(b"=", 1) for entry in
+                   Path(f"/proc/{worker.pid}/environ").read_bytes().split(b"\0") if b"=" in entry)
+    assert b"KILN_SIGNING_KEY_PATH" not in environ and b"KILN_SECRET_KEY" not in environ
+    assert environ[b"KILN_WORKER_API_URL"] == kiln_stack.stack.api_url.encode()
+    assert environ[b"KILN_WORKER_TOKEN"]
 
 
 def test_cache_hit_and_duplicate_delivery_yield_one_artifact(kiln_stack):

@@ -61,10 +61,24 @@ def test_token_is_minted_from_the_stack_secret(tmp_path: Path, monkeypatch):
     missing = runner.invoke(app, ["token", "--home", str(tmp_path)])
     assert missing.exit_code != 0
     (tmp_path / "secret").write_text("s" * 64)
-    result = runner.invoke(app, ["token", "--home", str(tmp_path), "--role", "agent"])
+    # A worker token names the fingerprint keys it builds; without one, the CLI says so.
+    refused = runner.invoke(app, ["token", "--home", str(tmp_path), "--role", "worker"])
+    assert refused.exit_code != 0 and "fingerprint keys" in refused.output
+    result = runner.invoke(app, ["token", "--home", str(tmp_path), "--role", "worker",
+                                 "--key", "ort-cpu-x86-64-v3-ort1.20", "--key", "trt-sm89"])
     assert result.exit_code == 0, result.output
     claims = jwt.decode(result.output.strip(), "s" * 64, algorithms=["HS256"])
-    assert claims["role"] == "agent"
+    assert claims["role"] == "worker" and claims["exp"] - claims["iat"] == 30 * 24 * 3600
+    assert claims["keys"] == ["ort-cpu-x86-64-v3-ort1.20", "trt-sm89"]
+    # An agent token names its agent; without one, the CLI says so.
+    refused = runner.invoke(app, ["token", "create", "--home", str(tmp_path), "--role", "agent"])
+    assert refused.exit_code != 0 and "names its agent" in refused.output
+    agent = runner.invoke(app, ["token", "create", "--home", str(tmp_path), "--role", "agent",
+                                "--agent", "node-1", "--ttl", "60"])
+    assert agent.exit_code == 0, agent.output
+    claims = jwt.decode(agent.stdout.strip().splitlines()[0], "s" * 64, algorithms=["HS256"])
+    assert claims["agent"] == "node-1" and claims["exp"] - claims["iat"] == 60
+    assert f"kiln token revoke {claims['jti']}" in agent.stderr
 
 
 def test_compile_with_a_plugin_bundle_and_run(tmp_path: Path):

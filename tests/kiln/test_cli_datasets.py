@@ -54,7 +54,8 @@ def live_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LiveAp
         if time.monotonic() > deadline or not thread.is_alive():
             pytest.fail("the API server did not start")
         time.sleep(0.05)
-    live = LiveApi(f"http://127.0.0.1:{port}", mint_token(SECRET, role=Role.ADMIN, subject="t"))
+    live = LiveApi(f"http://127.0.0.1:{port}", mint_token(SECRET, role=Role.ADMIN, subject="t",
+                                                         ttl_s=3600))
     monkeypatch.setenv("KILN_API_URL", live.url)
     monkeypatch.setenv("KILN_TOKEN", live.token)
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "client"))
@@ -122,3 +123,17 @@ def test_cli_submit_pushes_samples_and_calibration(live_api: LiveApi, tmp_path: 
     assert isinstance(refused.exception, KilnError)
     assert refused.exception.code is ErrorCode.INVALID_OPTIONS
     assert "input 'image' has shape [1, 3, 32, 32]" in refused.exception.message
+
+
+def test_token_revoke_from_the_cli(live_api: LiveApi):
+    victim = mint_token(SECRET, role=Role.WORKER, subject="w", ttl_s=600, keys=["*"])
+    claims = __import__("jwt").decode(victim, options={"verify_signature": False})
+    assert KilnClient(live_api.url, victim).list_datasets() == []
+    result = runner.invoke(app, ["token", "revoke", claims["jti"], "--reason", "test"])
+    assert result.exit_code == 0, result.output
+    assert f"token {claims['jti']} revoked" in result.output
+    with pytest.raises(KilnError) as refused:
+        KilnClient(live_api.url, victim).list_datasets()
+    assert refused.value.code is ErrorCode.UNAUTHENTICATED and "revoked" in refused.value.message
+    again = runner.invoke(app, ["token", "revoke", claims["jti"]])
+    assert "was already revoked" in again.output

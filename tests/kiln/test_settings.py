@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.exit_codes import EXIT_CODES
 from kiln.settings import (
     check_environment,
     effective,
@@ -23,7 +24,7 @@ from kiln.settings import (
     unknown_variables,
     variables,
 )
-from schemas.errors import ConfigError
+from schemas.errors import ConfigError, ErrorCode
 from services.config import KilnSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,14 +102,14 @@ def _kiln(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedPro
 def test_processes_refuse_to_start_naming_the_fix(tmp_path: Path) -> None:
     proc = _kiln("api", env={"KILN_SECRET_KEY": SECRET, "KILN_HOME": str(tmp_path)},
                  cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == EXIT_CODES[ErrorCode.CONFIG_ERROR], proc.stderr
     assert "KILN_BROKER_URL" in proc.stderr and "KILN_ENV=dev" in proc.stderr
     assert not (tmp_path / "kiln.db").exists()  # refused before touching anything
     named = {"KILN_SECRET_KEY": SECRET, "KILN_HOME": str(tmp_path),
              "KILN_DATABASE_URL": f"sqlite:///{tmp_path / 'k.db'}",
              "KILN_BROKER_URL": "filesystem://", "KILN_STORE_URI": tmp_path.as_uri()}
     proc = _kiln("worker", env={**named, "KILN_WORKER_CONCURENCY": "2"}, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr
+    assert proc.returncode == EXIT_CODES[ErrorCode.CONFIG_ERROR], proc.stderr
     assert "did you mean KILN_WORKER_CONCURRENCY" in proc.stderr.replace("\n", " ")
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from artifact_store.bundles import pack_bundle
-from artifact_store.signing import Signer
+from artifact_store.signing import Signer, manifest_from_bytes
 from compiler_worker.pipeline import compile_model, write_artifact_dir
 from runtime_agent.executors import MANIFEST_FILENAME
 from runtime_agent.fingerprint import detect_fingerprint
@@ -145,7 +145,7 @@ def rebundle(bundle: Bundle, directory: Path, edit: Callable[[dict], None]) -> B
 
 
 def read_manifest(artifact_dir: Path) -> ArtifactManifest:
-    return ArtifactManifest.model_validate_json((artifact_dir / MANIFEST_FILENAME).read_bytes())
+    return manifest_from_bytes((artifact_dir / MANIFEST_FILENAME).read_bytes())
 
 
 def derive_artifact(template: Path, out: Path, artifact_id: str, old: Bundle, new: Bundle,
@@ -164,7 +164,7 @@ def derive_artifact(template: Path, out: Path, artifact_id: str, old: Bundle, ne
     shutil.copytree(template, out, ignore=shutil.ignore_patterns("plugins", MANIFEST_FILENAME))
     (out / "plugins").mkdir()
     shutil.copyfile(new.archive, out / "plugins" / f"{new.ref.digest}.tar")
-    (out / MANIFEST_FILENAME).write_text(signer.sign(manifest).model_dump_json())
+    (out / MANIFEST_FILENAME).write_bytes(signer.sign_manifest(manifest))
     return out
 
 
@@ -195,7 +195,7 @@ def compile_signed(model, plugins: list[tuple[PluginRef, Path]], directory: Path
                    signer: Signer) -> Path:
     result = compile_model(model.SerializeToString(), FAST, fingerprint=detect_fingerprint(),
                            workdir=directory / "work", plugins=plugins)
-    return write_artifact_dir(result, directory / "out", signer.sign(result.manifest))
+    return write_artifact_dir(result, directory / "out", signer.sign_manifest(result.manifest))
 
 
 @pytest.fixture(scope="session")

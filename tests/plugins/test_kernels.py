@@ -131,7 +131,8 @@ def test_kiln_ops_declares_tests_and_writes_a_plugin(tmp_path: Path) -> None:
     x = np.array([[-2.0, 0.0, 3.0]], np.float32)
     np.testing.assert_allclose(swish(x, beta=1.5), x / (1 + np.exp(-1.5 * x)), rtol=1e-6)
     assert swish.infer(TensorType("float32", ("N", 3))) == [TensorType("float32", ("N", 3))]
-    with pytest.raises(NoImplementation, match=r"has implementations for \['onnxruntime/cpu'\]"):
+    with pytest.raises(NoImplementation, match=r"has implementations for \['onnxruntime/cpu', "
+                                               r"'torch/cpu', 'torch/cuda'\]"):
         swish.run([x], backend="onnxruntime", device="cuda")
 
     folder = ops.write_plugin(tmp_path / "swish", name="swish", version="1.0.0", ops=[swish],
@@ -139,8 +140,12 @@ def test_kiln_ops_declares_tests_and_writes_a_plugin(tmp_path: Path) -> None:
     written = json.loads((folder / "plugin.json").read_text())
     committed = json.loads((EXAMPLES / "swish" / "plugin.json").read_text())
     assert written["ops"][0]["shape_function"] == "swish:swish_shape"
-    assert written["implementations"] == [{"ops": ["kiln.examples::Swish"], "kind": "python",
-                                           "entry": "swish:swish_cpu"}]
+    assert written["implementations"] == [
+        {"ops": ["kiln.examples::Swish"], "kind": "python", "entry": "swish:swish_cpu"},
+        {"ops": ["kiln.examples::Swish"], "backend": "torch", "kind": "python",
+         "entry": "swish:swish_torch_cpu"},
+        {"ops": ["kiln.examples::Swish"], "backend": "torch", "device": "cuda",
+         "kind": "python", "entry": "swish:swish_torch_cuda"}]
     for key in ("inputs", "outputs", "attributes", "shape_function"):
         assert written["ops"][0][key] == committed["ops"][0][key]
     plugin = load_plugin(folder)

@@ -152,10 +152,11 @@ def test_an_op_without_an_implementation_for_the_device_is_refused(
     with pytest.raises(NoImplementation, match=r"op kiln.examples::Swish has no implementation "
                                                r"for backend 'onnxruntime' on device 'cuda' in "
                                                r"plugin swish 1.0.0; it has implementations for "
-                                               r"\['onnxruntime/cpu'\]") as info:
+                                               r"\['onnxruntime/cpu', 'torch/cpu', "
+                                               r"'torch/cuda'\]") as info:
         load_bundle(bundle.archive, bundle.ref, tmp_path, target=("onnxruntime", "cuda"))
     assert info.value.code is ErrorCode.PLUGIN_ERROR
-    assert info.value.details["available"] == ["onnxruntime/cpu"]
+    assert info.value.details["available"] == ["onnxruntime/cpu", "torch/cpu", "torch/cuda"]
     assert plugin_modules() == before
 
 

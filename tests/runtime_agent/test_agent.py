@@ -167,7 +167,7 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         parse_labels("bad key=1")
 
 
-def test_the_serve_token_reaches_the_inference_server(settings: AgentSettings, caplog) -> None:
+def test_the_serve_token_reaches_the_inference_server(settings: AgentSettings) -> None:
     from fastapi.testclient import TestClient
     from pydantic import SecretStr
 
@@ -176,7 +176,31 @@ def test_the_serve_token_reaches_the_inference_server(settings: AgentSettings, c
     assert client.get("/v1/models").status_code == 401
     assert client.get("/v1/models", headers={"Authorization": "Bearer t0ken"}).status_code == 200
 
-    assert "without a token" not in caplog.text
-    Agent(settings.model_copy(update={"serve_host": "0.0.0.0",
-                                      "cache_dir": settings.cache_dir.with_name("other")}))
-    assert "without a token" in caplog.text
+    # Beyond loopback without a token is refused at start-up (HTTP or gRPC alike); with one,
+    # or with no server at all, it starts.
+    other = settings.cache_dir.with_name("other")
+    for ports in ({"serve_port": 8100}, {"serve_port": 0, "grpc_port": 8101}):
+        with pytest.raises(ConfigError, match="KILN_AGENT_SERVE_TOKEN"):
+            Agent(settings.model_copy(update={"serve_host": "0.0.0.0", "cache_dir": other,
+                                              **ports}))
+    Agent(settings.model_copy(update={"serve_host": "0.0.0.0", "cache_dir": other,
+                                      "serve_token": SecretStr("t0ken")}))
+    Agent(settings.model_copy(update={"serve_host": "0.0.0.0", "serve_port": 0, "grpc_port": 0,
+                                      "cache_dir": other.with_name("third")}))
+
+
+def test_without_the_long_poll_route_heartbeats_bring_the_state_and_it_is_logged_once(
+        settings: AgentSettings, control_plane: ControlPlaneStub, built: Fixtures,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The stub is an older control plane: it has no ``/desired-state`` route (a plain 404)."""
+    a, b = control_plane.add(built.mlp_a), control_plane.add(built.mlp_b)
+    control_plane.desired = [desired_model("mlp", a)]
+    with caplog.at_level("WARNING", logger="runtime_agent.agent"), Agent(settings) as agent:
+        wait_for(status_is(control_plane, ModelState.SERVING, a), what="serving a")
+        control_plane.desired = [desired_model("mlp", b)]
+        wait_for(status_is(control_plane, ModelState.SERVING, b), what="serving b by heartbeat")
+        beats = len(control_plane.heartbeats)
+        wait_for(lambda: len(control_plane.heartbeats) > beats + 5, what="more heartbeats")
+        assert not agent.long_polling.is_set()
+    missing = [r for r in caplog.records if "no long-poll of the desired state" in r.message]
+    assert len(missing) == 1

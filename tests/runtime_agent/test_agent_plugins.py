@@ -125,7 +125,7 @@ def test_serves_models_with_plugins_and_refuses_plugins_that_cannot_run_here(
         assert error.code == "plugin_error"
         assert ("op kiln.examples::Swish has no implementation for backend 'onnxruntime' on "
                 "device 'cpu' in plugin swish 1.1.0-gpu; it has implementations for "
-                "['onnxruntime/cuda']") in error.message
+                "['onnxruntime/cuda', 'torch/cpu', 'torch/cuda']") in error.message
         error = failure(control_plane, "inv", inv)
         assert error.code == "plugin_error" and "ort-api-999, but this runtime is" in \
             error.message

@@ -10,13 +10,11 @@ import pytest
 from artifact_store.signing import load_verifier
 from runtime_agent.cache import ArtifactCache
 from runtime_agent.control import ControlPlane
-from schemas.agents import DesiredState
 from schemas.errors import ConfigError, IntegrityError, KilnError, SignatureInvalid
 from tests.runtime_agent.helpers import (
     TOKEN,
     ControlPlaneStub,
     Fixtures,
-    desired_model,
     fake_artifact,
     read_manifest,
 )
@@ -54,7 +52,9 @@ def test_fetch_verifies_then_serves_from_disk(control_plane, built, source, veri
         path = cache.fetch(artifact_id, source, verifier)
         assert path == cache.path(artifact_id) and artifact_id in cache
         assert read_manifest(path) == read_manifest(built.mlp_a)
-        assert sorted(p.name for p in path.iterdir()) == ["engine.onnx", "manifest.json"]
+        blobs = [b.name for b in read_manifest(built.mlp_a).blobs]
+        assert sorted(p.name for p in path.iterdir()) == sorted(
+            ["engine.onnx", *(["golden.npz"] if "golden.npz" in blobs else []), "manifest.json"])
         assert cache.verify(artifact_id, verifier)
         requests = len(control_plane.blob_requests)
         assert cache.fetch(artifact_id, source, verifier) == path
@@ -119,13 +119,15 @@ def test_a_corrupted_blob_is_detected_dropped_and_fetched_again(
         assert artifact_id not in cache and not path.exists()
         requests = len(control_plane.blob_requests)
         cache.fetch(artifact_id, source, verifier)
-        assert len(control_plane.blob_requests) == requests + 1
+        # every blob is fetched again (the engine and, when built with one, the golden file)
+        assert len(control_plane.blob_requests) == (
+            requests + len(read_manifest(built.mlp_a).blobs))
         assert cache.verify(artifact_id, verifier)
 
 
 @pytest.mark.parametrize(("signer", "message"), [
     (None, "is not signed"),
-    ("untrusted", "which is not trusted"),
+    ("untrusted", "not trusted"),
 ])
 def test_unsigned_or_untrusted_manifests_are_refused(control_plane, built, source, verifier,
                                                      tmp_path: Path, signer, message) -> None:
@@ -156,12 +158,41 @@ def test_tampered_blobs_and_substituted_manifests_are_refused(
         assert caught.value.code == "not_found"
 
 
-def test_desired_state_is_persisted(tmp_path: Path) -> None:
-    state = DesiredState(agent="n1", models=[desired_model("mlp", "a1")], heartbeat_s=2)
+def test_desired_state_envelope_is_persisted_byte_for_byte(tmp_path: Path) -> None:
+    envelope = b'{"payload": "e30=", "payloadType": "x", "signatures": []}\n'
     with ArtifactCache(tmp_path, 10**9) as cache:
         assert cache.load_state() is None
-        cache.save_state(state)
+        cache.save_state(envelope)
     with ArtifactCache(tmp_path, 10**9) as cache:
-        assert cache.load_state() == state
-        (tmp_path / "state.json").write_text("{not json")
-        assert cache.load_state() is None
+        assert cache.load_state() == envelope
+
+
+def test_a_rotated_key_re_signs_the_cached_manifest_without_downloading_blobs(
+        control_plane, built, source, verifier, tmp_path: Path) -> None:
+    import shutil
+
+    from artifact_store.signing import Verifier, generate_keypair, resign
+    from runtime_agent.executors import MANIFEST_FILENAME
+
+    artifact_id = control_plane.add(built.mlp_a)
+    new = generate_keypair(tmp_path / "new" / "online.key")
+    with ArtifactCache(tmp_path / "cache", 10**9) as cache:
+        cache.fetch(artifact_id, source, verifier)
+        # The rotation: the control plane now serves the manifest re-signed by the new key.
+        resigned = shutil.copytree(built.mlp_a, tmp_path / "resigned")
+        (resigned / MANIFEST_FILENAME).write_bytes(
+            resign((resigned / MANIFEST_FILENAME).read_bytes(), [new]))
+        control_plane.artifacts[artifact_id] = resigned
+        requests = len(control_plane.blob_requests)
+
+        cache.fetch(artifact_id, source, Verifier([new.public_pem()]))
+
+        assert len(control_plane.blob_requests) == requests  # the blobs stayed
+        assert cache.verify(artifact_id, Verifier([new.public_pem()]))
+        # A signed manifest of other content is no re-signature of this one: refused.
+        newer = generate_keypair(tmp_path / "newer" / "online.key")
+        other = built.mlp_b / MANIFEST_FILENAME
+        (resigned / MANIFEST_FILENAME).write_bytes(resign(other.read_bytes(), [newer]))
+        with pytest.raises(IntegrityError, match="asked for the manifest of artifact"):
+            cache.fetch(artifact_id, source, Verifier([newer.public_pem()]))
+        assert len(control_plane.blob_requests) == requests

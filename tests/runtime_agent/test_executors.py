@@ -81,7 +81,7 @@ def test_runs_like_onnxruntime(executor: OnnxRuntimeExecutor) -> None:
         ({"x": np.zeros((1, 64), np.float64)}, "expected dtype float32.*given float64"),
         ({"x": np.zeros((64,), np.float32)}, r"expected rank 2.*given shape \[64\]"),
         ({"x": np.zeros((1, 63), np.float32)}, r"expected dimension 1 to be 64.*\[1, 63\]"),
-        ({"x": [[0.0] * 64]}, "expected a numpy array.*given list"),
+        ({"x": [[0.0] * 64]}, "expected a numpy array or a DLPack tensor.*given list"),
     ],
 )
 def test_invalid_inputs_are_refused(executor: OnnxRuntimeExecutor, feed: dict,

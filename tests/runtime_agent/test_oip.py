@@ -131,6 +131,13 @@ def _bin(header: dict, *chunks: bytes, length: int | None = None) -> tuple[bytes
 
 X1 = X[:1]
 BIN = {"binary_data_size": X1.nbytes}
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
 BAD = [
     # (name, body, headers, status, message)
     ("wrong datatype", {"inputs": [tensor(X1, datatype="FP64", data=[0.0] * 64)]}, None, 400,
@@ -172,6 +179,12 @@ BAD = [
     ("malformed JSON", b'{"inputs": [', None, 400, "not valid JSON"),
     ("too large", {"inputs": [tensor(X1, shape=[20_000, 64], data=[[0.5] * 64] * 20_000)]},
      None, 413, f"over the limit of {LIMIT} bytes"),
+    ("deep nesting", b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64], '
+     b'"data": ' + b"[" * 50_000 + b"]" * 50_000 + b"}]}", None, 400,
+     "JSON header nests 50003 levels deep; at most 64"),
+    ("deep nesting in the binary header", *_bin({"inputs": [tensor(X1, parameters=BIN)],
+                                                 "id": _nested(70)}, X1.tobytes()),
+     400, "nests 71 levels deep"),
 ]
 
 

@@ -91,6 +91,13 @@ def _bomb() -> bytes:
     return buffer.getvalue()
 
 
+def _lying_npz(shape: tuple[int, ...], descr: str = "<f4") -> bytes:
+    """An npz whose ``x.npy`` header claims ``shape`` over a few bytes of data."""
+    from tests.schemas.test_datasets import npy_header, zip_of
+
+    return zip_of({"x.npy": npy_header(shape, descr) + b"\0" * 64})
+
+
 J = "application/json"
 BAD = [
     # (name, content type, body, status, code, message)
@@ -118,11 +125,23 @@ BAD = [
     ("npz wrong dtype", NPZ, npz(x=X.astype(np.float64)), 400, "invalid_request",
      "expected dtype float32"),
     ("npz extra array", NPZ, npz(x=X, mask=X), 400, "invalid_request", r"unexpected \['mask'\]"),
-    ("zip bomb", NPZ, _bomb(), 413, "model_too_large", "unpacks to"),
+    ("zip bomb", NPZ, _bomb(), 413, "model_too_large", "unpack to 134217728 bytes"),
     ("body too large", J, {"inputs": {"x": [[0.5] * 64] * 20_000}}, 413, "model_too_large",
      f"over the limit of {LIMIT} bytes"),
     ("unsupported type", "text/csv", b"1,2,3", 400, "invalid_request",
      "unsupported Content-Type 'text/csv'"),
+    # Bounded before anything is built or allocated:
+    ("deep nesting", J, b'{"inputs": {"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}", 400,
+     "invalid_request", "nests 100002 levels deep; at most 64"),
+    ("unbalanced nesting", J, b"[" * 100_000, 400, "invalid_request", "nests 100000 levels"),
+    ("brackets in strings do not count", J, {"inputs": {"x": [["[" * 500] * 64]}}, 400,
+     "invalid_request", "expected numbers; given strings"),
+    ("npz header claiming 4 TiB", NPZ, _lying_npz((1 << 34, 64)), 413, "model_too_large",
+     r"unpack to 4398046511104 bytes as their headers declare .*nothing was allocated"),
+    ("npz header claiming the wrong shape", NPZ, _lying_npz((4, 63)), 400, "invalid_request",
+     r"expected shape \['N', 64\] .*the npz declares \[4, 63\]"),
+    ("npz header claiming the wrong dtype", NPZ, _lying_npz((4, 64), "<i8"), 400,
+     "invalid_request", "expected dtype float32 .* the npz declares int64"),
 ]
 
 
@@ -227,3 +246,22 @@ def test_a_token_guards_every_route_but_healthz(table) -> None:
                       headers={"Authorization": "Bearer s3cret"})
     assert ok.status_code == 200, ok.text
     assert guarded.get("/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_json_over_its_own_limit_is_413_before_parsing(table) -> None:
+    small = TestClient(create_app(table, max_body_bytes=LIMIT, max_json_bytes=1000))
+    response = small.post("/v1/models/mlp/infer", json={"inputs": {"x": X.tolist()}})
+    assert response.status_code == 413, response.text
+    assert "KILN_AGENT_MAX_JSON_BYTES" in response.json()["message"]
+    # The same tensor as npz is within the body limit and runs.
+    ok = small.post("/v1/models/mlp/infer", content=npz(x=X), headers={"Content-Type": NPZ})
+    assert ok.status_code == 200, ok.text
+
+
+def test_json_depth_is_measured_outside_strings() -> None:
+    from runtime_agent.bounded import json_depth
+
+    assert json_depth(b'{"a": [[1, 2], [3]]}') == 3
+    assert json_depth(b'{"a": "[[[[[[", "b": [1]}') == 2
+    assert json_depth(b'{"a\\": "]]]\\"[", "b": "x\\"]]"}') == 1
+    assert json_depth(b"") == 0

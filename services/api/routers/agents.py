@@ -1,45 +1,171 @@
-"""``/v1/agents``: registration, heartbeats (answered with the desired state), and the fleet."""
+"""``/v1/agents``: registration, heartbeats (answered with the signed desired state), the
+long-poll of the desired state, and the fleet."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import asyncio
+import re
+from typing import Annotated
 
-from schemas.agents import AgentHeartbeat, AgentInfo, AgentRegistration, DesiredState
-from schemas.errors import Forbidden
-from services.api.auth import Principal, Role
-from services.api.deps import QueueDep, ReaderPrincipal, RoleDep, SessionDep, SettingsDep
-from services.api.fleet import desired_state
+from fastapi import APIRouter, Header, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from schemas.agents import (
+    AgentHeartbeat,
+    AgentInfo,
+    AgentRegistration,
+    DesiredModel,
+    DesiredState,
+    SignedEnvelope,
+)
+from schemas.errors import InvalidRequest
+from services.api.auth import Role, check_agent
+from services.api.deps import (
+    AgentName,
+    QueueDep,
+    ReaderPrincipal,
+    RoleDep,
+    SessionDep,
+    SettingsDep,
+    SignerDep,
+)
+from services.api.desired import DesiredStateHub
+from services.api.fleet import AgentProfile, desired_models, desired_state
+from services.api.keys import check_claimed_keys
+from services.config import KilnSettings
 from services.db import repo
+from services.signer import OnlineSigner
 
 router = APIRouter(prefix="/v1/agents", tags=["agents"])
 AgentPrincipal = RoleDep(Role.AGENT)
+SIGNED = {200: {"model": SignedEnvelope, "description": (
+    "A signed envelope (DSSE) whose payload is the agent's DesiredState: version, expiry and "
+    "the models it should serve, signed by the online key that the root metadata at "
+    "/v1/trust/root names")}}
 
 
-def check_identity(principal: Principal, name: str) -> None:
-    """An agent token speaks for the agent its subject names (``*``: any); admins for all."""
-    if principal.role is Role.AGENT and principal.subject not in (name, "*"):
-        raise Forbidden(f"this token speaks for agent {principal.subject!r}, not {name!r}; "
-                        f"mint one with `kiln token --role agent --subject {name}`")
+def signed(desired: DesiredState, signer: OnlineSigner, settings: KilnSettings) -> Response:
+    return Response(signer.sign_desired_state(desired, ttl_s=settings.desired_state_ttl_s),
+                    media_type="application/json")
 
 
-@router.post("", response_model=DesiredState)
+@router.post("", response_class=Response, responses=SIGNED)
 def register_agent(
-    registration: AgentRegistration, session: SessionDep, queue: QueueDep,
-    settings: SettingsDep, principal: AgentPrincipal,
-) -> DesiredState:
-    check_identity(principal, registration.name)
+    registration: AgentRegistration, request: Request, session: SessionDep, queue: QueueDep,
+    settings: SettingsDep, signer: SignerDep, principal: AgentPrincipal,
+) -> Response:
+    check_agent(principal, registration.name)
+    check_claimed_keys(registration)  # before anything is written or queued
     agent, _first = repo.register_agent(session, registration=registration)
-    return desired_state(session, queue, agent, heartbeat_s=settings.agent_heartbeat_s)
+    session.commit()  # whether or not its desired models come from the cache
+    return signed(desired_state(session, queue, agent, heartbeat_s=settings.agent_heartbeat_s,
+                                cache=_hub(request).cache), signer, settings)
 
 
-@router.post("/{name}/heartbeat", response_model=DesiredState)
+def _hub(request: Request) -> DesiredStateHub:
+    return request.app.state.desired_hub
+
+
+#: ``Prefer: return=minimal`` (RFC 7240) on a heartbeat: liveness only, no desired state.
+_MINIMAL = re.compile(r"(^|[,;\s])return\s*=\s*minimal\b", re.IGNORECASE)
+
+
+@router.post("/{name}/heartbeat", response_class=Response, responses={
+    **SIGNED, 204: {"description": "liveness only: the agent sent `Prefer: return=minimal` "
+                    "(it follows its desired state by long-poll)"}})
 def heartbeat(
-    name: str, beat: AgentHeartbeat, session: SessionDep, queue: QueueDep,
-    settings: SettingsDep, principal: AgentPrincipal,
-) -> DesiredState:
-    check_identity(principal, name)
-    agent = repo.agent_heartbeat(session, name=name, models=beat.models)
-    return desired_state(session, queue, agent, heartbeat_s=settings.agent_heartbeat_s)
+    name: str, beat: AgentHeartbeat, request: Request, session: SessionDep, queue: QueueDep,
+    settings: SettingsDep, signer: SignerDep, principal: AgentPrincipal,
+    prefer: Annotated[str | None, Header()] = None,
+) -> Response:
+    check_agent(principal, name)
+    if prefer and _MINIMAL.search(prefer):  # one UPDATE, no read
+        repo.touch_agent(session, name=name, models=beat.models, trust=beat.trust)
+        session.commit()
+        return Response(status_code=204, headers={"Preference-Applied": "return=minimal"})
+    agent = repo.agent_heartbeat(session, name=name, models=beat.models, trust=beat.trust)
+    session.commit()
+    return signed(desired_state(session, queue, agent, heartbeat_s=settings.agent_heartbeat_s,
+                                cache=_hub(request).cache), signer, settings)
+
+
+#: The digest an agent holds: sha256, hex.
+_DIGEST = r"^[0-9a-f]{64}$"
+
+
+@router.get("/{name}/desired-state", response_class=Response, responses={
+    **SIGNED, 204: {"description": "nothing changed within `wait` seconds: the agent's desired "
+                    "state still has the content digest `after`"}})
+async def poll_desired_state(
+    name: str, request: Request, queue: QueueDep, settings: SettingsDep, signer: SignerDep,
+    principal: AgentPrincipal,
+    after: Annotated[str | None, Query(
+        pattern=_DIGEST, description="the content digest of the desired state the agent holds "
+        "(`DesiredState.content_digest()`, also the `ETag` of the last answer); without it, "
+        "the route answers at once")] = None,
+    key: Annotated[str | None, Query(
+        pattern=r"^[A-Za-z0-9._:-]{1,128}$", description="the id of the online key that "
+        "signed the envelope the agent holds; when the control plane's key differs (a "
+        "rotation), it answers with a fresh envelope at once")] = None,
+    wait: Annotated[float, Query(
+        ge=0, allow_inf_nan=False, description="seconds to hold the request while the "
+        "desired state keeps the digest `after`; at most KILN_DESIRED_STATE_MAX_WAIT_S")] = 0.0,
+) -> Response:
+    """The agent's signed desired state as soon as its content differs from ``after``; 204
+    after ``wait`` seconds if it does not change. The request holds no database connection and
+    no thread while it waits. ``ETag`` is the answer's content digest, ``Kiln-Recomputes``
+    how many times this request computed the state (once, plus once per change that woke it)."""
+    check_agent(principal, name)
+    if wait > settings.desired_state_max_wait_s:
+        raise InvalidRequest(
+            f"wait={wait:g} is over the longest long-poll this control plane holds, "
+            f"{settings.desired_state_max_wait_s:g} s (KILN_DESIRED_STATE_MAX_WAIT_S)",
+            max_wait_s=settings.desired_state_max_wait_s)
+    hub: DesiredStateHub = request.app.state.desired_hub
+    session_factory = request.app.state.session_factory
+
+    def compute() -> tuple[dict[str, str], DesiredState]:
+        # No connection is held while the cache waits for another request's computation of
+        # the same profile (a change wakes thousands of long-polls at once).
+        with session_factory() as session:
+            agent = repo.get_agent(session, name=name)
+            profile = AgentProfile.of(agent, repo.active_rollouts(session).values())
+
+        def models() -> list[DesiredModel]:
+            with session_factory() as session:
+                return desired_models(session, queue, profile)
+
+        return agent.labels, DesiredState(agent=name, models=hub.cache.models(profile, models),
+                                          heartbeat_s=settings.agent_heartbeat_s)
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    waiter = hub.subscribe(name)  # before computing: a change meanwhile wakes it
+    recomputes = 0
+    try:
+        while True:
+            waiter.event.clear()
+            labels, desired = await run_in_threadpool(compute)
+            recomputes += 1
+            waiter.learn(labels, desired)
+            digest = desired.content_digest()
+            headers = {"ETag": f'"{digest}"', "Kiln-Recomputes": str(recomputes),
+                       "Cache-Control": "no-store"}
+            if digest != after or (key is not None and key != signer.signer().key_id):
+                envelope = await run_in_threadpool(
+                    signer.sign_desired_state, desired, ttl_s=settings.desired_state_ttl_s)
+                return Response(envelope, media_type="application/json", headers=headers)
+            remaining = deadline - loop.time()
+            if remaining <= 0 or hub.closing:
+                return Response(status_code=204, headers=headers)
+            try:
+                await asyncio.wait_for(waiter.event.wait(), remaining)
+            except TimeoutError:
+                return Response(status_code=204, headers=headers)
+            if await request.is_disconnected():  # an agent gone meanwhile costs nothing more
+                return Response(status_code=204, headers=headers)
+    finally:
+        hub.unsubscribe(waiter)
 
 
 @router.get("", response_model=list[AgentInfo])
@@ -48,5 +174,5 @@ def list_agents(session: SessionDep, _: ReaderPrincipal) -> list[AgentInfo]:
 
 
 @router.get("/{name}", response_model=AgentInfo)
-def get_agent(name: str, session: SessionDep, _: ReaderPrincipal) -> AgentInfo:
+def get_agent(name: AgentName, session: SessionDep) -> AgentInfo:
     return repo.get_agent(session, name=name)

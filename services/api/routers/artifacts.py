@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Header, Request
+import logging
+from typing import Literal
+
+from fastapi import APIRouter, Header, Request, Response
 from pydantic import BaseModel
 
 from schemas import ArtifactManifest, ArtifactSummary
-from schemas.errors import NotFound
+from schemas.errors import ErrorBody, NotFound
 from schemas.tuning import TuningTable
-from services.api.deps import Limit, ReaderPrincipal, SessionDep, SettingsDep, StoreDep
+from services.api.deps import (
+    AdminPrincipal,
+    ArtifactId,
+    Limit,
+    ReaderPrincipal,
+    SessionDep,
+    SettingsDep,
+    StoreDep,
+)
 from services.api.transfers import DOWNLOAD_RESPONSES, blob_response
 from services.db import repo
+from services.integrity import usable_artifact
 
+logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/artifacts", tags=["artifacts"])
 
 
@@ -22,22 +35,59 @@ class ArtifactDetail(BaseModel):
     downloads: dict[str, str]
 
 
+class ArtifactDeleted(BaseModel):
+    artifact_id: str
+    #: Blobs removed from the store (referenced by nothing else), by sha256.
+    deleted_blobs: list[str]
+    #: Blobs of this artifact that other artifacts, models, datasets or plugins still use.
+    kept_blobs: list[str]
+    #: Deployments and agents that used it (only with ``force``).
+    users: list[str]
+
+
 @router.get("", response_model=list[ArtifactSummary])
 def list_artifacts(
     session: SessionDep,
     _: ReaderPrincipal,
     model_id: str | None = None,
     fingerprint_key: str | None = None,
+    state: Literal["ready", "broken"] | None = None,
     limit: Limit = 100,
 ) -> list[ArtifactSummary]:
+    if model_id is not None:
+        model_id = repo.resolve_id(session, "model", model_id)
     return repo.list_artifacts(
-        session, model_id=model_id, fingerprint_key=fingerprint_key, limit=limit
+        session, model_id=model_id, fingerprint_key=fingerprint_key, state=state, limit=limit
     )
+
+
+@router.delete("/{artifact_id}", response_model=ArtifactDeleted, responses={
+    409: {"model": ErrorBody, "description": "a deployment or agent uses it; the body names "
+                                            "them (force=true deletes it anyway)"}})
+def delete_artifact(
+    _: AdminPrincipal, artifact_id: ArtifactId, session: SessionDep, store: StoreDep,
+    force: bool = False,
+) -> ArtifactDeleted:
+    """Delete an artifact: its row, its manifest, and the blobs nothing else references.
+    Refused (409) while a deployment resolves to it or an agent serves it, unless ``force``.
+    The row goes first, so a failure half-way leaves only unreferenced bytes (which
+    ``kiln store verify`` reports as orphans), never a row pointing at missing blobs."""
+    users = repo.artifact_users(session, artifact_id=artifact_id)
+    manifest, unique = repo.delete_artifact(session, artifact_id=artifact_id, force=force)
+    session.commit()
+    store.delete_manifest(artifact_id)
+    for ref in unique:
+        store.delete_blob(ref.sha256)
+    deleted = {ref.sha256 for ref in unique}
+    logger.info("artifact %s deleted (%d blobs removed)", artifact_id, len(deleted))
+    return ArtifactDeleted(
+        artifact_id=artifact_id, deleted_blobs=sorted(deleted),
+        kept_blobs=sorted({b.sha256 for b in manifest.blobs} - deleted), users=users)
 
 
 @router.get("/{artifact_id}", response_model=ArtifactDetail)
 def get_artifact(
-    artifact_id: str, request: Request, session: SessionDep, _: ReaderPrincipal
+    artifact_id: ArtifactId, request: Request, session: SessionDep
 ) -> ArtifactDetail:
     summary = repo.get_artifact(session, artifact_id=artifact_id)
     manifest = repo.get_manifest(session, artifact_id=artifact_id)
@@ -51,8 +101,19 @@ def get_artifact(
     )
 
 
+@router.get("/{artifact_id}/manifest", response_class=Response, responses={200: {
+    "content": {"application/json": {}},
+    "description": "The signed envelope (DSSE: payload, payloadType, signatures) exactly as "
+                   "stored: the signature covers these bytes.",
+}})
+def get_signed_manifest(artifact_id: ArtifactId, store: StoreDep) -> Response:
+    """The artifact's manifest as the store holds it, byte for byte; agents verify its
+    signature over these bytes before they parse them."""
+    return Response(store.manifest_bytes(artifact_id), media_type="application/json")
+
+
 @router.get("/{artifact_id}/tuning", response_model=TuningTable)
-def get_tuning(artifact_id: str, session: SessionDep, _: ReaderPrincipal) -> TuningTable:
+def get_tuning(artifact_id: ArtifactId, session: SessionDep) -> TuningTable:
     """The candidate table of the tuning that built this artifact: from its signed manifest,
     else from the tuning record of its cache key."""
     manifest = repo.get_manifest(session, artifact_id=artifact_id)
@@ -69,12 +130,11 @@ def get_tuning(artifact_id: str, session: SessionDep, _: ReaderPrincipal) -> Tun
 
 @router.get("/{artifact_id}/blobs/{blob}", responses=DOWNLOAD_RESPONSES)
 def download_blob(
-    artifact_id: str,
+    artifact_id: ArtifactId,
     blob: str,
     session: SessionDep,
     store: StoreDep,
     settings: SettingsDep,
-    _: ReaderPrincipal,
     range_header: str | None = Header(None, alias="Range"),
 ):
     """Streams the blob (HTTP Range supported, for resumable pulls); with an S3 store,
@@ -87,4 +147,11 @@ def download_blob(
             f"artifact {artifact_id} has no blob {blob!r}; it has "
             f"{[b.name for b in manifest.blobs]}"
         ) from exc
+    if not store.has_blob(ref):  # a HEAD or a stat: never hand out a dead reference
+        usable_artifact(session, store, artifact_id)
+        session.commit()
+        raise NotFound(
+            f"blob {blob!r} of artifact {artifact_id} is missing from the store; the artifact "
+            f"is marked broken and a build for its key is queued on the next request for it",
+            artifact_id=artifact_id, blob=blob)
     return blob_response(store, ref, range_header, ttl_s=settings.presign_ttl_s)

@@ -8,22 +8,23 @@ along its first axis; see ``schemas.datasets``.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, File, Response, UploadFile, status
 from starlette.concurrency import run_in_threadpool
 
-from schemas.datasets import NPZ_MEDIA_TYPE, DatasetInfo, inspect_npz
-from schemas.manifest import TensorSpec
+from schemas.datasets import NPZ_MEDIA_TYPE, DatasetInfo
 from services.api.deps import (
     AdminPrincipal,
+    DatasetId,
     Limit,
     ReaderPrincipal,
     SessionDep,
     SettingsDep,
     StoreDep,
 )
+from services.api.gate import BODY_LIMIT
+from services.api.inspection import inspect_dataset
 from services.api.transfers import received_upload
 from services.db import repo
 
@@ -31,23 +32,22 @@ logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
 
-def _inspect(path: Path, max_bytes: int) -> list[TensorSpec]:
-    return inspect_npz(path.read_bytes(), max_bytes=max_bytes)
-
-
 @router.post("", response_model=DatasetInfo, status_code=status.HTTP_201_CREATED,
              responses={200: {"model": DatasetInfo,
-                              "description": "the same bytes were uploaded before"}})
+                              "description": "the same bytes were uploaded before"}},
+             openapi_extra={BODY_LIMIT: "max_dataset_bytes"})
 async def upload_dataset(
     response: Response, session: SessionDep, store: StoreDep, settings: SettingsDep,
     _: AdminPrincipal, file: Annotated[UploadFile, File(description="the .npz file")],
 ) -> DatasetInfo:
     """Store an ``.npz`` of sample inputs: one array per model input, first axis = sample.
-    Validated from its headers first (no pickles, no absurd shapes, within the size limit)."""
+    Validated from its headers first (no pickles, no absurd shapes, within the size limit), in
+    a bounded child."""
     limit = min(settings.max_dataset_bytes, settings.max_upload_bytes)
     async with received_upload(file, max_bytes=limit, what="an .npz dataset",
                                limit_name="KILN_MAX_DATASET_BYTES") as (path, size):
-        tensors = await run_in_threadpool(_inspect, path, limit)
+        tensors = await run_in_threadpool(inspect_dataset, path, settings=settings,
+                                          max_bytes=limit)
         ref = await run_in_threadpool(store.put_blob, path, name="dataset",
                                       media_type=NPZ_MEDIA_TYPE)
     dataset, created = repo.record_dataset(session, sha256=ref.sha256, size_bytes=size,
@@ -66,5 +66,5 @@ def list_datasets(session: SessionDep, _: ReaderPrincipal, limit: Limit = 100
 
 
 @router.get("/{dataset_id}", response_model=DatasetInfo)
-def get_dataset(dataset_id: str, session: SessionDep, _: ReaderPrincipal) -> DatasetInfo:
+def get_dataset(dataset_id: DatasetId, session: SessionDep) -> DatasetInfo:
     return repo.require_dataset(session, dataset_id=dataset_id)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 from fastapi import APIRouter, status
 
-from artifact_store import ArtifactStore
 from schemas import CompileJob, CompileJobCreate, JobStatus
-from schemas.jobs import CompileJobBatch
+from schemas.errors import ErrorBody, InvalidOptions
+from schemas.jobs import CompileJobBatch, task_id
 from services.api.deps import (
     AdminPrincipal,
+    JobId,
     Limit,
     QueueDep,
     ReaderPrincipal,
@@ -19,8 +22,19 @@ from services.api.deps import (
 )
 from services.api.enqueue import enqueue_jobs
 from services.db import repo
+from services.integrity import usable_artifact
+from services.queue import revoke_compile
 
 logger = logging.getLogger(__name__)
+
+
+def _exit_if_fault_injected(trigger: Path | None) -> None:
+    """Fault injection for ``bench/faults.py`` (``KILN_ENV=dev`` only, see
+    ``KilnSettings.check_secure``): die between commit and enqueue, as a crash would."""
+    if trigger is not None and trigger.exists():
+        trigger.unlink(missing_ok=True)
+        logger.error("fault injection: exiting between commit and enqueue (%s)", trigger)
+        os._exit(70)
 router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"])
 
 
@@ -29,10 +43,23 @@ def create_compile_jobs(
     request: CompileJobCreate, session: SessionDep, queue: QueueDep, store: StoreDep,
     _: AdminPrincipal,
 ) -> CompileJobBatch:
+    request = request.model_copy(
+        update={"model_id": repo.resolve_id(session, "model", request.model_id)})
     model = repo.get_model(session, model_id=request.model_id)  # 404 before any write
     repo.check_compile_datasets(session, model=model, options=request.options)
     digest = request.options.digest()
     served = repo.live_worker_keys(session)
+    formats = repo.live_worker_formats(session)
+    refused = {key: sorted(formats[key]) for key in dict.fromkeys(
+        t.fingerprint_key for t in request.targets)
+        if key in formats and model.format not in formats[key]}
+    if refused:
+        takes = sorted(k for k, names in formats.items() if model.format in names)
+        raise InvalidOptions(
+            f"model {model.id[:16]} is a {model.format} model; the workers of "
+            f"{sorted(refused)} build {sorted({f for v in refused.values() for f in v})} "
+            f"models. Keys whose workers take {model.format} models: {takes or 'none live'}",
+            refused=refused, model_format=model.format, keys=takes)
     jobs: list[CompileJob] = []
     to_enqueue: list[CompileJob] = []
     for key in dict.fromkeys(t.fingerprint_key for t in request.targets):  # dedupe, keep order
@@ -40,7 +67,7 @@ def create_compile_jobs(
             session, model_id=request.model_id, options_digest=digest, fingerprint_key=key
         )
         if (cached is not None and repo.plugins_current(session, artifact_id=cached.id)
-                and _blobs_present(store, cached.id)):
+                and usable_artifact(session, store, cached.id)):
             jobs.append(repo.create_cached_job(
                 session, model_id=request.model_id, options=request.options,
                 fingerprint_key=key, artifact_id=cached.id,
@@ -60,20 +87,16 @@ def create_compile_jobs(
         jobs.append(job)
         to_enqueue.append(job)
     session.commit()  # the rows exist before any worker can pick a task up
+    _exit_if_fault_injected(queue.kiln_settings.debug_exit_after_commit_file)
     failure = enqueue_jobs(session, queue, to_enqueue)
     if failure is not None:
         raise failure
-    return CompileJobBatch(jobs=[repo.get_job(session, job_id=j.id) for j in jobs])
-
-
-def _blobs_present(store: ArtifactStore, artifact_id: str) -> bool:
-    """Whether a cached artifact's manifest and blobs are still in the store (a HEAD or a
-    stat each): a hit on a lost blob is no hit, and a build is queued instead."""
-    missing = store.missing_parts(artifact_id)
-    if missing:
-        logger.warning("artifact %s is recorded but the store lacks %s; queueing a rebuild",
-                       artifact_id, missing)
-    return not missing
+    batch = CompileJobBatch(jobs=[repo.get_job(session, job_id=j.id) for j in jobs])
+    # Hand the connection back before the answer waits for a thread to be serialized in:
+    # held across that wait, a burst of submissions would hold every pooled connection
+    # while the threads that could serialize them wait for one.
+    session.commit()
+    return batch
 
 
 @router.get("", response_model=list[CompileJob])
@@ -84,9 +107,50 @@ def list_compile_jobs(
     status: JobStatus | None = None,
     limit: Limit = 100,
 ) -> list[CompileJob]:
+    if model_id is not None:
+        model_id = repo.resolve_id(session, "model", model_id)
     return repo.list_jobs(session, model_id=model_id, status=status, limit=limit)
 
 
 @router.get("/{job_id}", response_model=CompileJob)
-def get_compile_job(job_id: str, session: SessionDep, _: ReaderPrincipal) -> CompileJob:
+def get_compile_job(job_id: JobId, session: SessionDep) -> CompileJob:
+    return repo.get_job(session, job_id=job_id)
+
+
+_TERMINAL = {409: {"model": ErrorBody, "description": "the job already finished; the body "
+                                                      "names its status"}}
+
+
+@router.post("/{job_id}/cancel", response_model=CompileJob, responses=_TERMINAL)
+def cancel_compile_job(
+    _: AdminPrincipal, job_id: JobId, session: SessionDep, queue: QueueDep
+) -> CompileJob:
+    """Cancel a queued, waiting or running job. A running job's task is revoked (its worker
+    process is terminated) after the row says ``cancelled``; a worker that still finishes it
+    records nothing. 409 naming the status when the job already finished."""
+    job, running = repo.cancel_job(session, job_id=job_id)
+    session.commit()
+    if running or job.worker is not None:
+        revoke_compile(queue, task_id=task_id(job.id, job.retries))
+    logger.info("job %s cancelled", job_id)
+    return job
+
+
+@router.post("/{job_id}/retry", response_model=CompileJob, responses={
+    409: {"model": ErrorBody, "description": "the job succeeded: nothing to retry"},
+    503: {"model": ErrorBody, "description": "the broker is unreachable"}})
+def retry_compile_job(
+    _: AdminPrincipal, job_id: JobId, session: SessionDep, queue: QueueDep
+) -> CompileJob:
+    """Queue a failed or cancelled job again as a new attempt (fresh attempt budget, its own
+    task id). Idempotent: a job already queued, waiting or running is returned unchanged and
+    nothing is sent twice. 409 when the job succeeded."""
+    current = repo.get_job(session, job_id=job_id)
+    served = current.fingerprint_key in repo.live_worker_keys(session)
+    job, queued = repo.retry_job(session, job_id=job_id, served=served)
+    session.commit()
+    if queued:
+        failure = enqueue_jobs(session, queue, [job])
+        if failure is not None:
+            raise failure
     return repo.get_job(session, job_id=job_id)

@@ -1,8 +1,12 @@
 """``/v1/models``: upload a model once; the same model and data are the same model.
 
 A model arrives as a self-contained ``.onnx``, a tar archive of the ``.onnx`` and its external
-data files, or a multipart upload of those files; the API stores the canonical blob
-(``artifact_store.model_archive``) and inspects only the graph.
+data files, a multipart upload of those files, or a ``torch.export`` archive (``.pt2``, a zip,
+detected by its content). For ONNX the API stores the canonical blob
+(``artifact_store.model_archive``) and inspects only the graph; a ``.pt2`` is stored as it is
+after a structural check (``schemas.torch_export``) that never unpickles or loads a tensor:
+the program is loaded only by a compiler worker's build step. Every check runs in a bounded
+child (``services.api.inspection``), never in the API process.
 """
 
 from __future__ import annotations
@@ -11,57 +15,32 @@ import logging
 import tempfile
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 from fastapi import APIRouter, File, Form, Response, UploadFile, status
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from artifact_store.model_archive import canonical_model_blob, pack_model_files
-from schemas import ModelInfo
-from schemas.errors import InvalidModel
-from schemas.onnx_model import default_opset, signature
+from schemas import CompileJob, CompileOptions, JobStatus, ModelInfo
+from schemas.errors import ErrorBody, InvalidModel
 from services.api.deps import (
     AdminPrincipal,
     Limit,
+    ModelId,
+    QueueDep,
     ReaderPrincipal,
     SessionDep,
     SettingsDep,
     StoreDep,
 )
+from services.api.enqueue import enqueue_jobs
+from services.api.gate import BODY_LIMIT
+from services.api.inspection import check_model_upload
 from services.api.transfers import received_upload
 from services.db import repo
 
-if TYPE_CHECKING:
-    import onnx
-
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/models", tags=["models"])
-
-
-def canonical_upload(received: list[tuple[str | None, Path]], dest: Path, *,
-                     max_bytes: int) -> tuple[onnx.ModelProto, str]:
-    """The canonical model blob for the uploaded files, written to ``dest``: (the model's
-    graph, external tensors not loaded; the blob's media type).
-
-    One file: a self-contained ``.onnx``, or a tar archive (detected by its content) of the
-    ``.onnx`` and its external data. Several files: the ``.onnx`` and each data file it
-    references, named by its location. Either way only the graph is parsed; the weights are
-    checked (present, inside the archive, offsets in range) and streamed, never loaded.
-    Bad input raises ``InvalidModel`` / ``ModelTooLarge``.
-    """
-    if len(received) == 1:
-        return canonical_model_blob(received[0][1], dest, max_bytes=max_bytes)
-    names = [filename for filename, _ in received]
-    if any(not filename for filename in names):
-        raise InvalidModel(f"a multipart model upload names every file (the .onnx, and each "
-                           f"data file by the location the model gives it); got {names}")
-    models = [filename for filename in names if filename and filename.endswith(".onnx")]
-    if len(models) != 1:
-        raise InvalidModel(f"a multipart model upload holds exactly one .onnx file and its "
-                           f"data files; got {names}", files=names)
-    model_path = next(path for filename, path in received if filename == models[0])
-    data = {filename: path for filename, path in received if filename and filename != models[0]}
-    return pack_model_files(model_path, data, dest, max_bytes=max_bytes)
 
 
 @router.post(
@@ -69,6 +48,7 @@ def canonical_upload(received: list[tuple[str | None, Path]], dest: Path, *,
     response_model=ModelInfo,
     status_code=status.HTTP_201_CREATED,
     responses={200: {"model": ModelInfo, "description": "the same model was uploaded before"}},
+    openapi_extra={BODY_LIMIT: "max_upload_bytes"},
 )
 async def upload_model(
     response: Response,
@@ -79,11 +59,13 @@ async def upload_model(
     file: Annotated[list[UploadFile], File(
         description="the .onnx file; or a tar archive holding the .onnx and the external data "
                     "files it references; or several parts: the .onnx and each data file, "
-                    "its filename the location the model gives it")],
+                    "its filename the location the model gives it; or one torch.export "
+                    "archive (.pt2, written by torch.export.save)")],
     name: Annotated[str | None, Form(max_length=200)] = None,
 ) -> ModelInfo:
     """Store a model (its id is the sha256 of the canonical blob: the plain ``.onnx`` when it
-    is self-contained, else the deterministic archive of it and its data files)."""
+    is self-contained, else the deterministic archive of it and its data files; a ``.pt2``'s
+    own bytes)."""
     async with AsyncExitStack() as stack:
         received: list[tuple[str | None, Path]] = []
         remaining = settings.max_upload_bytes
@@ -95,28 +77,28 @@ async def upload_model(
             received.append((upload.filename, path))
         blob = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kiln-model-")))
         blob = blob / "model"
-        graph, media_type = await run_in_threadpool(
-            canonical_upload, received, blob, max_bytes=settings.max_upload_bytes)
-        inputs, outputs = signature(graph)
-        opset, ir_version = default_opset(graph), int(graph.ir_version)
+        checked = await run_in_threadpool(check_model_upload, received, blob, settings=settings)
         size = blob.stat().st_size
-        ref = await run_in_threadpool(store.put_blob, blob, name="model", media_type=media_type)
+        ref = await run_in_threadpool(store.put_blob, blob, name="model",
+                                      media_type=checked.media_type)
     first = file[0].filename or "model.onnx"
     model, created = repo.upsert_model(
         session,
         sha256=ref.sha256,
-        name=name or Path(first).name.removesuffix(".tar").removesuffix(".onnx"),
+        name=name or Path(first).name.removesuffix(".tar").removesuffix(".onnx")
+        .removesuffix(".pt2"),
         size_bytes=size,
-        opset=opset,
-        ir_version=ir_version,
-        inputs=inputs,
-        outputs=outputs,
+        format=checked.format,
+        opset=checked.opset,
+        ir_version=checked.ir_version,
+        inputs=checked.inputs,
+        outputs=checked.outputs,
         blob_key=store.blob_key(ref.sha256),
     )
     session.commit()
     if not created:
         response.status_code = status.HTTP_200_OK
-    logger.info("model %s (%s bytes, %s) %s", model.id, size, media_type,
+    logger.info("model %s (%s bytes, %s) %s", model.id, size, checked.media_type,
                 "stored" if created else "exists")
     return model
 
@@ -127,5 +109,42 @@ def list_models(session: SessionDep, _: ReaderPrincipal, limit: Limit = 100) -> 
 
 
 @router.get("/{model_id}", response_model=ModelInfo)
-def get_model(model_id: str, session: SessionDep, _: ReaderPrincipal) -> ModelInfo:
+def get_model(model_id: ModelId, session: SessionDep) -> ModelInfo:
     return repo.get_model(session, model_id=model_id)
+
+
+class RebuildRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    fingerprint_key: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.\-]+$")
+    options: CompileOptions = Field(default_factory=CompileOptions)
+
+
+@router.post("/{model_id}/rebuild", response_model=CompileJob,
+             status_code=status.HTTP_202_ACCEPTED,
+             responses={503: {"model": ErrorBody, "description": "the broker is unreachable"}})
+def rebuild(
+    _: AdminPrincipal, model_id: ModelId, request: RebuildRequest, session: SessionDep,
+    queue: QueueDep,
+) -> CompileJob:
+    """Build the model for one fingerprint key again, ignoring the cache: the worker does
+    not answer it from the existing artifact, and the new engine replaces that artifact's
+    manifest (same cache key, same artifact id). A forced build already queued or running
+    for the key is returned instead of a second one."""
+    model = repo.get_model(session, model_id=model_id)
+    repo.check_compile_datasets(session, model=model, options=request.options)
+    key = request.fingerprint_key
+    active = repo.find_active_job(session, model_id=model_id,
+                                  options_digest=request.options.digest(), fingerprint_key=key)
+    if active is not None and active.force:
+        return active
+    job = repo.create_job(session, model_id=model_id, options=request.options,
+                          fingerprint_key=key, force=True)
+    if key not in repo.live_worker_keys(session):
+        repo.set_job_status(session, job_id=job.id, status=JobStatus.WAITING_FOR_HARDWARE)
+    session.commit()
+    failure = enqueue_jobs(session, queue, [job])
+    if failure is not None:
+        raise failure
+    logger.info("forced rebuild %s of model %s for %s", job.id, model_id, key)
+    return repo.get_job(session, job_id=job.id)

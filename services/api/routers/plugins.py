@@ -7,11 +7,12 @@ from typing import Annotated
 from fastapi import APIRouter, File, Header, Response, UploadFile, status
 from starlette.concurrency import run_in_threadpool
 
-from artifact_store.bundles import read_bundle
 from schemas import BlobRef
 from schemas.errors import IntegrityError, InvalidRequest
 from schemas.plugins import PluginInfo
 from services.api.deps import AdminPrincipal, ReaderPrincipal, SessionDep, SettingsDep, StoreDep
+from services.api.gate import BODY_LIMIT
+from services.api.inspection import inspect_plugin_bundle
 from services.api.transfers import DOWNLOAD_RESPONSES, blob_response, received_upload
 from services.db import repo
 
@@ -21,17 +22,18 @@ BUNDLE_MEDIA_TYPE = "application/x-tar"
 
 @router.post("", response_model=PluginInfo, status_code=status.HTTP_201_CREATED,
              responses={200: {"description": "the same bundle was registered before"},
-                        409: {"description": "that name and version hold another bundle"}})
+                        409: {"description": "that name and version hold another bundle"}},
+             openapi_extra={BODY_LIMIT: "max_upload_bytes"})
 async def push_plugin(
     response: Response, session: SessionDep, store: StoreDep, settings: SettingsDep,
     _: AdminPrincipal, file: Annotated[UploadFile, File(description="the bundle archive")],
 ) -> PluginInfo:
     """Register a bundle built by ``kiln plugin build``. It is validated completely first
-    (manifest, confined paths, file digests); a version is immutable."""
+    (manifest, confined paths, file digests), in a bounded child; a version is immutable."""
     async with received_upload(file, max_bytes=settings.max_upload_bytes,
                                what="a plugin bundle archive") as (path, _size):
         try:
-            manifest = await run_in_threadpool(read_bundle, path)
+            manifest = await run_in_threadpool(inspect_plugin_bundle, path, settings=settings)
         except IntegrityError as exc:  # in an upload, a wrong digest is bad input
             raise InvalidRequest(f"the bundle is inconsistent: {exc.message}",
                                  **exc.details) from exc

@@ -18,5 +18,10 @@ def list_tuning(
     artifact_id: str | None = None, limit: Limit = 100,
 ) -> list[TuningRecordInfo]:
     """Tuning records, newest first: every candidate built, verified and measured, and which
-    won. ``model_id``: that model's; ``artifact_id``: the one behind that artifact."""
+    won. ``model_id``: that model's; ``artifact_id``: the one behind that artifact (either a
+    full id or a unique prefix)."""
+    if model_id is not None:
+        model_id = repo.resolve_id(session, "model", model_id)
+    if artifact_id is not None:
+        artifact_id = repo.resolve_id(session, "artifact", artifact_id)
     return repo.list_tuning(session, model_id=model_id, artifact_id=artifact_id, limit=limit)

@@ -7,7 +7,7 @@ from datetime import timedelta
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from schemas.agents import AgentInfo, AgentRegistration, ModelStatus
+from schemas.agents import AgentInfo, AgentRegistration, ModelStatus, TrustStatus
 from schemas.errors import NotFound
 from schemas.fingerprint import HardwareFingerprint
 from services.db.repo._common import _insert
@@ -29,6 +29,7 @@ def _agent(row: AgentRow) -> AgentInfo:
         last_seen=row.last_seen,
         alive=utcnow() - row.last_seen < AGENT_TTL,
         models=[ModelStatus.model_validate(m) for m in row.models],
+        trust=TrustStatus.model_validate(row.trust) if row.trust else None,
     )
 
 
@@ -60,15 +61,47 @@ def register_agent(session: Session, *, registration: AgentRegistration) -> tupl
     return _agent(row), False
 
 
-def agent_heartbeat(session: Session, *, name: str, models: list[ModelStatus]) -> AgentInfo:
+def agent_heartbeat(session: Session, *, name: str, models: list[ModelStatus],
+                    trust: TrustStatus | None = None) -> AgentInfo:
     """Record a heartbeat; ``NotFound`` when the agent never registered (it must register)."""
     row = session.get(AgentRow, name, with_for_update=True)
     if row is None:
         raise NotFound(f"no agent {name!r}; register with POST /v1/agents first", agent=name)
     row.models = [m.model_dump(mode="json") for m in models]
+    row.trust = trust.model_dump(mode="json") if trust is not None else None
     row.last_seen = utcnow()
     session.flush()
     return _agent(row)
+
+
+def touch_agent(session: Session, *, name: str, models: list[ModelStatus],
+                trust: TrustStatus | None = None) -> None:
+    """A liveness-only heartbeat: one ``UPDATE`` of what the agent reports and when, with no
+    read of its row; ``NotFound`` when the agent never registered (it must register)."""
+    updated = session.execute(
+        sa.update(AgentRow).where(AgentRow.name == name).values(
+            models=[m.model_dump(mode="json") for m in models],
+            trust=trust.model_dump(mode="json") if trust is not None else None,
+            last_seen=utcnow()),
+        execution_options={"synchronize_session": False})
+    if updated.rowcount == 0:
+        raise NotFound(f"no agent {name!r}; register with POST /v1/agents first", agent=name)
+
+
+def selected_agent_keys(session: Session, *, selector: dict[str, str], alive_only: bool = True,
+                        ) -> list[tuple[dict[str, str], dict[str, str], dict[str, list[str]]]]:
+    """(labels, fingerprint keys, compatibility keys) of each agent whose labels ``selector``
+    matches (live ones only with ``alive_only``). The selector is matched in SQL, so a
+    deployment costs reading the agents it selects, not the fleet; nothing else of the rows
+    (fingerprints, reported models) is read."""
+    stmt = sa.select(AgentRow.labels, AgentRow.fingerprint_keys, AgentRow.compatibility_keys)
+    for key, value in selector.items():
+        stmt = stmt.where(AgentRow.labels[key].as_string() == value)
+    if alive_only:
+        stmt = stmt.where(AgentRow.last_seen > utcnow() - AGENT_TTL)
+    return [(dict(labels), dict(keys), {k: list(v) for k, v in (compat or {}).items()})
+            for labels, keys, compat in session.execute(stmt)
+            if all(labels.get(k) == v for k, v in selector.items())]
 
 
 def get_agent(session: Session, *, name: str) -> AgentInfo:

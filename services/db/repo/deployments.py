@@ -11,7 +11,7 @@ from schemas.deployments import Deployment, DeploymentCreate
 from schemas.errors import NotFound
 from schemas.options import CompileOptions
 from services.db.repo._common import _insert, _require_model
-from services.db.tables import DeploymentRow, utcnow
+from services.db.tables import DeploymentRow, RolloutRow, utcnow
 
 
 def _deployment(row: DeploymentRow) -> Deployment:
@@ -70,6 +70,13 @@ def get_deployment(session: Session, *, name: str) -> Deployment:
     return _deployment(row)
 
 
+def get_deployment_by_id(session: Session, *, deployment_id: str) -> Deployment:
+    row = session.get(DeploymentRow, deployment_id)
+    if row is None:
+        raise NotFound(f"no deployment {deployment_id!r}", deployment=deployment_id)
+    return _deployment(row)
+
+
 def list_deployments(session: Session) -> list[Deployment]:
     stmt = sa.select(DeploymentRow).order_by(DeploymentRow.name)
     return [_deployment(row) for row in session.scalars(stmt)]
@@ -79,5 +86,6 @@ def delete_deployment(session: Session, *, name: str) -> None:
     row = session.scalars(sa.select(DeploymentRow).where(DeploymentRow.name == name)).first()
     if row is None:
         raise NotFound(f"no deployment {name!r}", deployment=name)
+    session.execute(sa.delete(RolloutRow).where(RolloutRow.deployment_id == row.id))
     session.delete(row)
     session.flush()

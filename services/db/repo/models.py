@@ -21,6 +21,7 @@ def _model_info(row: ModelRow) -> ModelInfo:
         name=row.name,
         sha256=row.id,
         size_bytes=row.size_bytes,
+        format=row.format,
         opset=row.opset,
         ir_version=row.ir_version,
         inputs=[TensorSpec.model_validate(spec) for spec in row.inputs],
@@ -39,6 +40,7 @@ def upsert_model(
     inputs: list[TensorSpec],
     outputs: list[TensorSpec],
     blob_key: str,
+    format: str = "onnx",
 ) -> tuple[ModelInfo, bool]:
     """Record a model by the sha256 of its bytes: ``(model, created)``.
 
@@ -56,6 +58,7 @@ def upsert_model(
             id=sha256,
             name=name,
             size_bytes=size_bytes,
+            format=format,
             opset=opset,
             ir_version=ir_version,
             inputs=[spec.model_dump(mode="json") for spec in inputs],

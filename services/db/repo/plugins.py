@@ -6,7 +6,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from schemas.errors import Conflict, NotFound
-from schemas.plugins import PluginInfo, PluginManifest, PluginRef
+from schemas.plugins import PluginInfo, PluginManifest, PluginRef, torch_op_name
 from services.db.repo._common import _insert, _require_artifact
 from services.db.tables import PluginRow, utcnow
 
@@ -81,10 +81,13 @@ def plugins_current(session: Session, *, artifact_id: str) -> bool:
 
 def plugins_for_ops(session: Session, *, ops: set[str]) -> dict[str, PluginInfo]:
     """For each ``domain::OpType`` in ``ops``, the newest plugin declaring it (ops no plugin
-    declares are absent from the result)."""
+    declares are absent from the result). An op may also be asked for by its PyTorch name
+    (``schemas.plugins.torch_op_name``: a torch program names ``kiln_examples::Swish`` what a
+    plugin declares as ``kiln.examples::Swish``)."""
     found: dict[str, PluginInfo] = {}
     stmt = sa.select(PluginRow).order_by(PluginRow.created_at.desc(), PluginRow.digest)
     for row in session.scalars(stmt):
-        for op in set(row.ops) & ops:
+        declared = set(row.ops) | {torch_op_name(op) for op in row.ops}
+        for op in declared & ops:
             found.setdefault(op, _plugin(row))
     return found

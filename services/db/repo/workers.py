@@ -39,11 +39,17 @@ def heartbeat_worker(
     fingerprint_keys: list[str],
     fingerprint: HardwareFingerprint,
     portable_keys: dict[str, str] | None = None,
+    model_formats: dict[str, list[str]] | None = None,
     heartbeat_s: float = DEFAULT_WORKER_HEARTBEAT_S,
     stopping: bool = False,
+    instance: str | None = None,
 ) -> WorkerInfo:
-    """Record that worker ``name`` is alive (or, with ``stopping``, that it shut down) and
-    beats every ``heartbeat_s`` seconds."""
+    """Record that worker ``name`` (process ``instance``) is alive (or, with ``stopping``,
+    that it shut down) and beats every ``heartbeat_s`` seconds.
+
+    A beat from another instance than the row's is a restart under the same name: the row
+    now describes the new process, and the jobs the old one owned count as orphaned.
+    A late shutdown beat from a replaced instance changes nothing."""
     now = utcnow()
     row = session.get(WorkerRow, name, with_for_update=True)
     if row is None:
@@ -51,13 +57,22 @@ def heartbeat_worker(
             session,
             WorkerRow(name=name, fingerprint_keys=fingerprint_keys,
                       compatibility_keys=dict(portable_keys or {}),
+                      model_formats=dict(model_formats or {}),
                       fingerprint=fingerprint.model_dump(mode="json"), started_at=now,
-                      last_seen=now, stopped=stopping),
+                      last_seen=now, stopped=stopping, instance=instance),
             lambda: session.get(WorkerRow, name),
         )
-    restarted = row.stopped and not stopping
+    if stopping and instance is not None and row.instance not in (None, instance):
+        log.info("worker %s: ignoring the shutdown of replaced instance %s", name, instance)
+        return _worker(row)
+    restarted = (row.stopped and not stopping) or row.instance != instance
+    if row.instance not in (None, instance):
+        log.warning("worker %s restarted: instance %s replaces %s", name, instance,
+                    row.instance)
+    row.instance = instance
     row.fingerprint_keys = fingerprint_keys
     row.compatibility_keys = dict(portable_keys or {})
+    row.model_formats = dict(model_formats or {})
     row.fingerprint = fingerprint.model_dump(mode="json")
     row.last_seen = now
     row.stopped = stopping
@@ -70,10 +85,37 @@ def heartbeat_worker(
     return _worker(row)
 
 
+def _alive(row: WorkerRow) -> bool:
+    return not row.stopped and utcnow() - row.last_seen < worker_ttl(row.heartbeat_s)
+
+
+def instance_alive(session: Session, *, name: str | None, instance: str | None) -> bool:
+    """Whether process ``instance`` still heartbeats under worker ``name``. A restart under
+    the same name is another instance: the old one counts as dead. Without an instance
+    (a row written before instances existed), the name alone decides."""
+    row = session.get(WorkerRow, name or "")
+    if row is None:
+        return False
+    if instance is not None and row.instance != instance:
+        return False
+    return _alive(row)
+
+
 def live_worker_keys(session: Session) -> set[str]:
     """The fingerprint keys that at least one live worker consumes."""
     return {key for worker in list_workers(session) if worker.alive
             for key in worker.fingerprint_keys}
+
+
+def live_worker_formats(session: Session) -> dict[str, set[str]]:
+    """Fingerprint key → the model formats live workers build under it (keys whose workers
+    say nothing about formats are left out)."""
+    formats: dict[str, set[str]] = {}
+    for worker in list_workers(session):
+        if worker.alive:
+            for key, names in worker.model_formats.items():
+                formats.setdefault(key, set()).update(names)
+    return formats
 
 
 def release_waiting_jobs(session: Session, *, fingerprint_keys: list[str]) -> int:
@@ -96,15 +138,20 @@ def release_waiting_jobs(session: Session, *, fingerprint_keys: list[str]) -> in
 def sweep_orphaned_jobs(
     session: Session, *, max_attempts: int
 ) -> tuple[list[CompileJob], list[CompileJob]]:
-    """Hand on the running jobs whose worker stopped heartbeating (killed, crashed, host lost).
+    """Hand on the running jobs whose worker stopped heartbeating (killed, crashed, host lost,
+    or restarted under the same name: liveness is judged by instance), and end those past
+    their deadline.
 
     A job with attempts left goes back to ``queued`` (``waiting_for_hardware`` when no live
     worker serves its key); the caller enqueues it again once this is committed. A job that
     has used ``max_attempts`` fails with ``worker_lost``: a model that takes down every worker
-    building it must not go round forever. Returns ``(requeued, failed)``.
+    building it must not go round forever. A job past ``deadline_at`` (its task's hard time
+    limit, which killed the build) fails ``timed_out`` with its stage.
+    Returns ``(requeued, failed)``.
     """
-    workers = {w.name: w for w in list_workers(session)}
-    served = {key for w in workers.values() if w.alive for key in w.fingerprint_keys}
+    rows = {w.name: w for w in session.scalars(sa.select(WorkerRow))}
+    served = {key for w in rows.values() if _alive(w) for key in w.fingerprint_keys}
+    now = utcnow()
     stmt = (
         sa.select(CompileJobRow)
         .where(CompileJobRow.status == JobStatus.RUNNING.value)
@@ -114,16 +161,26 @@ def sweep_orphaned_jobs(
     requeued: list[CompileJob] = []
     failed: list[CompileJob] = []
     for row in session.scalars(stmt):
-        worker = workers.get(row.worker or "")
-        if worker is not None and worker.alive:
+        if row.deadline_at is not None and now > row.deadline_at:
+            message = (f"job {row.id} ran past its time limit (deadline "
+                       f"{row.deadline_at.isoformat()}) at stage {row.stage} on {row.worker}")
+            _finish(row, JobStatus.FAILED)
+            row.error = ErrorBody(code=ErrorCode.TIMED_OUT, message=message,
+                                  details={"stage": row.stage, "worker": row.worker}
+                                  ).model_dump(mode="json")
+            failed.append(row)
+            log.error("%s", message)
             continue
-        lost = (f"worker {row.worker} stopped heartbeating while job {row.id} was at stage "
-                f"{row.stage} (attempt {row.attempts} of {max_attempts})")
+        if instance_alive(session, name=row.worker, instance=row.worker_instance):
+            continue
+        lost = (f"worker {row.worker} (instance {row.worker_instance}) stopped heartbeating "
+                f"while job {row.id} was at stage {row.stage} (attempt {row.attempts} of "
+                f"{max_attempts})")
         if row.attempts >= max_attempts:
             _finish(row, JobStatus.FAILED)
             row.error = ErrorBody(code=ErrorCode.WORKER_LOST, message=f"{lost}; giving up",
-                                  details={"worker": row.worker, "attempts": row.attempts}
-                                  ).model_dump(mode="json")
+                                  details={"worker": row.worker, "attempts": row.attempts,
+                                           "stage": row.stage}).model_dump(mode="json")
             failed.append(row)
             log.error("%s; giving up", lost)
             continue
@@ -131,7 +188,10 @@ def sweep_orphaned_jobs(
         row.status = (JobStatus.WAITING_FOR_HARDWARE if waiting else JobStatus.QUEUED).value
         row.stage = JobStage.PENDING.value
         row.progress = 0.0
-        row.updated_at = utcnow()
+        row.worker_instance = None
+        row.worker_pid = None
+        row.deadline_at = None
+        row.updated_at = now
         requeued.append(row)
         log.warning("%s; queued again", lost)
     session.flush()
@@ -144,13 +204,35 @@ def list_workers(session: Session) -> list[WorkerInfo]:
     return [_worker(row) for row in session.scalars(stmt)]
 
 
+def prune_workers(session: Session, *, gone_for: timedelta) -> list[str]:
+    """Forget the workers (stopped or lost) whose last heartbeat is older than ``gone_for``;
+    returns their names. A live worker is never pruned, however its clock drifts."""
+    cutoff = utcnow() - gone_for
+    pruned = []
+    for row in session.scalars(sa.select(WorkerRow).where(WorkerRow.last_seen < cutoff)
+                               .with_for_update(skip_locked=True)):
+        if _worker(row).alive:
+            continue
+        pruned.append(row.name)
+        session.delete(row)
+    session.flush()
+    if pruned:
+        log.info("pruned workers gone for over %s: %s", gone_for, pruned)
+    return pruned
+
+
 def _worker(row: WorkerRow) -> WorkerInfo:
+    alive = _alive(row)
     return WorkerInfo(
         name=row.name,
+        instance=row.instance,
         fingerprint_keys=list(row.fingerprint_keys),
         portable_keys=dict(row.compatibility_keys or {}),
+        model_formats={k: list(v) for k, v in (row.model_formats or {}).items()},
         fingerprint=HardwareFingerprint.model_validate(row.fingerprint),
         started_at=row.started_at,
         last_seen=row.last_seen,
-        alive=not row.stopped and utcnow() - row.last_seen < worker_ttl(row.heartbeat_s),
+        alive=alive,
+        state="alive" if alive else "stopped" if row.stopped else "lost",
+        heartbeat_s=row.heartbeat_s,
     )

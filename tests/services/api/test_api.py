@@ -159,13 +159,12 @@ def test_job_for_unknown_model_is_404_and_writes_nothing(api, settings):
 def test_unreachable_broker_fails_the_job_with_a_typed_reason(tmp_path):
     from fastapi.testclient import TestClient
 
-    from services.api.auth import Role, mint_token
     from tests.conftest import free_port
-    from tests.services.api.conftest import SECRET, make_settings
+    from tests.services.api.conftest import bearer, make_settings
 
     settings = make_settings(tmp_path, broker_url=f"redis://127.0.0.1:{free_port()}/0")
     with TestClient(create_app(settings)) as api:
-        api.headers["Authorization"] = "Bearer " + mint_token(SECRET, role=Role.ADMIN, subject="t")
+        api.headers["Authorization"] = bearer()
         model_id = upload(api, mlp().SerializeToString()).json()["id"]
         response = api.post(
             "/v1/compile-jobs",

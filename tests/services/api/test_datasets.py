@@ -14,9 +14,8 @@ from fastapi.testclient import TestClient
 from artifact_store import open_store
 from kiln.examples import small_cnn
 from services.api.app import create_app
-from services.api.auth import Role, mint_token
 from tests.schemas.test_datasets import npy_header, npz, zip_of
-from tests.services.api.conftest import SECRET, make_settings
+from tests.services.api.conftest import bearer, make_settings
 
 KEY = "ort-cpu-x86-64-v3-ort1.32"
 
@@ -82,8 +81,7 @@ def test_hostile_uploads_are_400_with_what_was_expected(api, data, needle):
 def small_limit_api(tmp_path) -> Iterator[TestClient]:
     settings = make_settings(tmp_path, max_dataset_bytes=64 * 1024)
     with TestClient(create_app(settings), raise_server_exceptions=False) as client:
-        client.headers["Authorization"] = "Bearer " + mint_token(SECRET, role=Role.ADMIN,
-                                                                 subject="test")
+        client.headers["Authorization"] = bearer()
         yield client
 
 

@@ -2,24 +2,51 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
+
+from artifact_store.signing import DESIRED_STATE_PAYLOAD_TYPE, TrustedRoot
 from kiln.examples import mlp, small_cnn
-from schemas import CompileOptions, CpuInfo, HardwareFingerprint
+from schemas import CompileOptions
 from services.db import make_engine, make_session_factory, repo, session_scope
+from services.signer import root_metadata
+from tests.services.api.conftest import make_settings, node_fingerprint, registration
 from tests.services.api.test_api import queued_messages, upload
 from tests.services.db.helpers import manifest
 
 KEY = "ort-cpu-x86-64-v3-ort1.32"
 KEY_V4 = "ort-cpu-x86-64-v4-ort1.32"
-FP = HardwareFingerprint(cpu=CpuInfo(arch="x86_64", features=["avx2"]))
+FP = node_fingerprint(KEY)
+
+
+@pytest.fixture
+def settings(tmp_path: Path):
+    """These tests record artifacts and move builds' backoff straight in the database and
+    beat at once: no desired models are kept between requests (the API would see those
+    writes only at its next re-check; test_desired_cache.py covers that)."""
+    return make_settings(tmp_path, desired_state_cache_s=0)
+
+
+def signed_state(api, response) -> dict:
+    """The desired state in a registration's or heartbeat's answer, once its signature checks
+    out against the online key that the API's root metadata names."""
+    assert response.status_code == 200, response.text
+    trust_dir = Path(api.app.state.settings.trust_dir)
+    payload = TrustedRoot(root_metadata(trust_dir)).verify_envelope(
+        response.content, DESIRED_STATE_PAYLOAD_TYPE, what="desired state")
+    return json.loads(payload)
+
+
+def beat(api, name: str, models: list | None = None) -> dict:
+    return signed_state(api, api.post(f"/v1/agents/{name}/heartbeat",
+                                      json={"models": models or []}))
 
 
 def register(api, name: str, labels: dict[str, str], key: str = KEY):
-    response = api.post("/v1/agents", json={
-        "name": name, "labels": labels, "fingerprint": FP.model_dump(mode="json"),
-        "fingerprint_keys": {"onnxruntime": key},
-    })
-    assert response.status_code == 200, response.text
-    return response.json()
+    response = api.post("/v1/agents", json=registration(name, key, labels))
+    return signed_state(api, response)
 
 
 def deploy(api, name: str, model_id: str, selector: dict[str, str], **options):
@@ -48,16 +75,16 @@ def test_deployment_selects_agents_by_label_and_queues_one_build(api, settings):
     (job_id,) = created.json()["build_jobs"]
     assert len(queued_messages(settings)) == 1
 
-    state = api.post("/v1/agents/edge-1/heartbeat", json={"models": []}).json()
+    state = beat(api, "edge-1")
     (desired,) = state["models"]
     assert desired["deployment"] == "mlp" and desired["artifact_id"] is None
     assert desired["job_id"] == job_id and desired["tier"] == "none"
-    assert api.post("/v1/agents/edge-2/heartbeat", json={"models": []}).json()["models"] == []
+    assert beat(api, "edge-2")["models"] == []
     # Heartbeats never queue a second build for the same key.
     assert len(queued_messages(settings)) == 1
 
     artifact_id = record(settings, model_id)
-    (desired,) = api.post("/v1/agents/edge-1/heartbeat", json={"models": []}).json()["models"]
+    (desired,) = beat(api, "edge-1")["models"]
     assert desired["artifact_id"] == artifact_id and desired["tier"] == "exact"
 
 
@@ -80,7 +107,7 @@ def test_agents_report_status_and_deployments_update_and_delete(api):
     assert [d["name"] for d in api.get("/v1/deployments").json()] == ["svc"]
     assert api.delete("/v1/deployments/svc").status_code == 204
     assert api.get("/v1/deployments/svc").status_code == 404
-    assert api.post("/v1/agents/node/heartbeat", json={"models": []}).json()["models"] == []
+    assert beat(api, "node")["models"] == []
 
 
 def test_bad_fleet_requests(api):
@@ -89,7 +116,7 @@ def test_bad_fleet_requests(api):
         "name": "n", "labels": {"bad key!": "x"}, "fingerprint": FP.model_dump(mode="json"),
         "fingerprint_keys": {},
     })
-    assert bad_label.status_code == 422 and "label key" in bad_label.json()["message"]
+    assert bad_label.status_code == 422 and "labels.bad key!" in bad_label.json()["message"]
     unknown_model = deploy(api, "svc", "0" * 64, {})
     assert unknown_model.status_code == 404
     bad_name = deploy(api, "Bad Name", "0" * 64, {})
@@ -100,7 +127,7 @@ def test_bad_fleet_requests(api):
 def test_tiers_exact_fallback_then_exact_for_a_new_chip_variant(api, settings):
     """A node with an unseen key gets a portable fallback at once and its own engine queued."""
     factory = make_session_factory(make_engine(settings.database_url))
-    v3, portable = "ort-cpu-x86-64-v3-ort1.32", "ort-cpu-x86_64-portable-ort1.32"
+    v3, portable = "ort-cpu-x86-64-v3-ort1.32", "ort-cpu-x86-64-portable-ort1.32"
     with session_scope(factory) as session:
         repo.heartbeat_worker(session, name="w-v4", fingerprint_keys=[KEY_V4], fingerprint=FP,
                               portable_keys={KEY_V4: portable})
@@ -112,12 +139,9 @@ def test_tiers_exact_fallback_then_exact_for_a_new_chip_variant(api, settings):
     deploy(api, "svc", model_id, {})
 
     def desired(name: str, key: str) -> dict:
-        response = api.post("/v1/agents", json={
-            "name": name, "labels": {}, "fingerprint": FP.model_dump(mode="json"),
-            "fingerprint_keys": {"onnxruntime": key},
-            "compatibility_keys": {"onnxruntime": [portable]},
-        })
-        (model,) = response.json()["models"]
+        body = registration(name, key)
+        assert body["compatibility_keys"] == {"onnxruntime": [portable]}
+        (model,) = signed_state(api, api.post("/v1/agents", json=body))["models"]
         return model
 
     assert desired("old-node", KEY_V4)["tier"] == "exact"
@@ -164,16 +188,88 @@ def test_fleet_reports_fallback_tier_from_agents(api, settings):
 
 
 def test_an_agent_token_speaks_only_for_its_own_agent(api):
-    from services.api.auth import Role, mint_token
-    from tests.services.api.conftest import SECRET
+    from services.api.auth import Role
+    from tests.services.api.conftest import bearer
 
-    body = {"name": "edge-1", "labels": {}, "fingerprint": FP.model_dump(mode="json"),
-            "fingerprint_keys": {"onnxruntime": KEY}}
-    own = {"Authorization": "Bearer " + mint_token(SECRET, role=Role.AGENT, subject="edge-1")}
-    other = {"Authorization": "Bearer " + mint_token(SECRET, role=Role.AGENT, subject="edge-2")}
+    body = registration("edge-1", KEY)
+    own = {"Authorization": bearer(Role.AGENT, agent="edge-1")}
+    other = {"Authorization": bearer(Role.AGENT, agent="edge-2")}
     assert api.post("/v1/agents", json=body, headers=own).status_code == 200
     refused = api.post("/v1/agents/edge-1/heartbeat", json={"models": []}, headers=other)
-    assert refused.status_code == 403 and "kiln token --role agent" in refused.json()["message"]
+    assert refused.status_code == 403
+    assert "kiln token create --role agent --agent edge-1" in refused.json()["message"]
     assert api.post("/v1/agents", json=body, headers=other).status_code == 403
     assert api.post("/v1/agents/edge-1/heartbeat", json={"models": []},
                     headers=own).status_code == 200
+
+
+def test_a_torch_program_deploys_to_the_key_that_builds_it(api, settings, tmp_path):
+    """An agent prefers onnxruntime, but a torch.export program is built for its AOTInductor
+    key: the live workers say which formats each key builds."""
+    from tests.models.torch_programs import tiny_mlp_archive
+
+    aoti = "aoti-cpu-x86-64-v3-torch2.13"
+    pt2 = tiny_mlp_archive(tmp_path / "tiny.pt2")
+    model_id = api.post("/v1/models", files={"file": ("tiny.pt2", pt2.read_bytes())}).json()["id"]
+    factory = make_session_factory(make_engine(settings.database_url))
+    with session_scope(factory) as session:
+        repo.heartbeat_worker(session, name="w", fingerprint_keys=[KEY, aoti], fingerprint=FP,
+                              model_formats={KEY: ["onnx"], aoti: ["torch-export"]})
+    body = registration("edge-1", KEY, {"site": "a"}, torch="2.13")
+    assert body["fingerprint_keys"] == {"onnxruntime": KEY, "aotinductor": aoti}
+    response = api.post("/v1/agents", json=body)
+    assert response.status_code == 200, response.text
+    created = deploy(api, "tiny", model_id, {"site": "a"})
+    assert created.status_code == 201, created.text
+    (job_id,) = created.json()["build_jobs"]
+    assert api.get(f"/v1/compile-jobs/{job_id}").json()["fingerprint_key"] == aoti
+    (desired,) = beat(api, "edge-1")["models"]
+    assert desired["backend"] == "aotinductor" and desired["job_id"] == job_id
+
+
+def test_a_failed_build_behind_a_deployment_is_retried_with_visible_backoff(api, settings):
+    from datetime import timedelta
+
+    from schemas.errors import ErrorBody, ErrorCode
+    from services.db.tables import CompileJobRow
+
+    model_id = upload(api, mlp(seed=11).SerializeToString()).json()["id"]
+    register(api, "edge-1", {"site": "a"})
+    (first,) = deploy(api, "mlp", model_id, {"site": "a"}).json()["build_jobs"]
+    factory = api.app.state.session_factory
+
+    def fail(job_id: str, *, ago_s: float = 0) -> None:
+        with session_scope(factory) as session:
+            repo.fail_job(session, job_id=job_id, error=ErrorBody(
+                code=ErrorCode.BUILD_FAILED, message="the compiler crashed"))
+            session.get(CompileJobRow, job_id).finished_at -= timedelta(seconds=ago_s)
+            session.commit()
+
+    fail(first)
+    (desired,) = beat(api, "edge-1")["models"]
+    job = api.get(f"/v1/compile-jobs/{first}").json()
+    assert desired["job_id"] == first and desired["retry_at"] is not None
+    assert job["retry_at"] is not None  # the operator sees it too
+    waited = (_dt(job["retry_at"]) - _dt(job["finished_at"])).total_seconds()
+    assert waited == settings.build_retry_base_s
+    assert len(queued_messages(settings)) == 1  # not retried on every heartbeat
+
+    with session_scope(factory) as session:  # the backoff has passed
+        session.get(CompileJobRow, first).finished_at -= timedelta(seconds=waited + 1)
+        session.commit()
+    (desired,) = beat(api, "edge-1")["models"]
+    second = desired["job_id"]
+    assert second != first and desired["retry_at"] is None
+    assert len(queued_messages(settings)) == 2
+
+    fail(second)  # twice in a row: the wait doubles
+    beat(api, "edge-1")
+    job = api.get(f"/v1/compile-jobs/{second}").json()
+    assert (_dt(job["retry_at"]) - _dt(job["finished_at"])).total_seconds() == 2 * waited
+    assert len(queued_messages(settings)) == 2
+
+
+def _dt(text: str):
+    from datetime import datetime
+
+    return datetime.fromisoformat(text)

@@ -132,7 +132,7 @@ def test_a_newer_plugin_version_rebuilds_deployed_engines_while_the_old_one_serv
     from schemas.plugins import PluginRef
     from services.db import make_engine, make_session_factory, repo, session_scope
     from tests.services.api.test_api import upload
-    from tests.services.api.test_fleet import KEY, deploy, register
+    from tests.services.api.test_fleet import KEY, beat, deploy, register
     from tests.services.db.helpers import manifest
 
     first = push(api, make_bundle(tmp_path).read_bytes()).json()
@@ -147,7 +147,7 @@ def test_a_newer_plugin_version_rebuilds_deployed_engines_while_the_old_one_serv
             return repo.record_artifact(session, model_id=model_id, manifest=built)[0].id
 
     def desired() -> dict:
-        (model,) = api.post("/v1/agents/node/heartbeat", json={"models": []}).json()["models"]
+        (model,) = beat(api, "node")["models"]
         return model
 
     old = record(first, "ort+swish-1.0.0")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from artifact_store import generate_keypair, load_signer, open_store
+from artifact_store import generate_keypair, load_signer, load_verifier, open_store
 from kiln.examples import mlp
 from schemas.manifest import ArtifactManifest
 from services.config import KilnSettings
@@ -51,3 +51,22 @@ def test_a_lost_blob_turns_the_cache_hit_into_a_rebuild(api, settings, tmp_path)
     assert not again["cache_hit"] and again["artifact_id"] is None
     assert again["status"] == "waiting_for_hardware"  # no worker for KEY in this test
     assert len(queued_messages(settings)) == 1  # the rebuild's task is on build.<KEY>
+
+
+def test_the_signed_manifest_is_served_byte_for_byte(api, settings, tmp_path) -> None:
+    model_id = upload(api, mlp().SerializeToString()).json()["id"]
+    signed = published(settings, manifest(model_id, fingerprint_key=KEY), tmp_path)
+    factory = make_session_factory(make_engine(settings.database_url))
+    with session_scope(factory) as session:
+        repo.record_artifact(session, model_id=model_id, manifest=signed)
+    stored = open_store(settings.store_uri).manifest_bytes(signed.artifact_id)
+
+    response = api.get(f"/v1/artifacts/{signed.artifact_id}/manifest")
+
+    assert response.status_code == 200, response.text
+    assert response.content == stored
+    verifier = load_verifier([tmp_path / "signing.key.pub"])
+    assert verifier.verify_manifest(response.content, artifact_id=signed.artifact_id) == signed
+    assert api.get("/v1/artifacts/nope/manifest").status_code == 404
+    del api.headers["Authorization"]
+    assert api.get(f"/v1/artifacts/{signed.artifact_id}/manifest").status_code == 401

@@ -41,6 +41,8 @@ def test_record_artifact(session: Session, model_id: str) -> None:
         "size_bytes": 1024,
         "max_abs_error": 2.5e-7,
         "p50_ms": 1.25,
+        "state": "ready",
+        "broken_reason": None,
     }
     assert summary.created_at.tzinfo is UTC
     assert repo.get_artifact(session, artifact_id=m.artifact_id) == summary

@@ -369,5 +369,137 @@ def test_a_job_that_used_its_attempts_fails_with_worker_lost(
     assert failed.status is JobStatus.FAILED and failed.finished_at is not None
     assert failed.error.code is ErrorCode.WORKER_LOST
     assert "w1" in failed.error.message and "verifying" in failed.error.message
-    assert failed.error.details == {"worker": "w1", "attempts": 2}
+    assert failed.error.details == {"worker": "w1", "attempts": 2, "stage": "verifying"}
     assert failed.stage is JobStage.VERIFYING  # where it was lost
+
+
+# ------------------------------------------------------- instances, attempts, deadlines
+
+
+def _beat(session: Session, name: str, instance: str, *, stopping: bool = False):
+    from schemas import CpuInfo, HardwareFingerprint
+
+    fp = HardwareFingerprint(cpu=CpuInfo(arch="x86_64", features=["avx2"]))
+    return repo.heartbeat_worker(session, name=name, fingerprint_keys=[FINGERPRINT_KEY],
+                                 fingerprint=fp, instance=instance, stopping=stopping)
+
+
+def test_a_restart_under_the_same_name_does_not_hide_the_dead_instances_job(
+    session: Session, model_id: str
+) -> None:
+    _beat(session, "w1", "instance-a")
+    job = _job(session, model_id)
+    repo.start_job(session, job_id=job.id, worker="w1", instance="instance-a", pid=10)
+    # instance-a is SIGKILLed; the same name comes back at once and heartbeats.
+    info = _beat(session, "w1", "instance-b")
+    assert info.alive and info.instance == "instance-b"
+    assert not repo.instance_alive(session, name="w1", instance="instance-a")
+
+    (requeued,), failed = repo.sweep_orphaned_jobs(session, max_attempts=3)
+    assert requeued.id == job.id and failed == []
+    assert requeued.status is JobStatus.QUEUED and requeued.worker_instance is None
+    taken = repo.start_job(session, job_id=job.id, worker="w1", instance="instance-b",
+                           pid=11, redelivered=False)
+    assert taken.attempts == 2 and taken.worker_instance == "instance-b"
+    # The live instance's job is left alone, and a late shutdown beat of the dead one
+    # does not mark the new one stopped.
+    assert repo.sweep_orphaned_jobs(session, max_attempts=3) == ([], [])
+    _beat(session, "w1", "instance-a", stopping=True)
+    assert repo.instance_alive(session, name="w1", instance="instance-b")
+
+
+def test_a_second_delivery_of_a_job_a_live_owner_runs_builds_nothing(
+    session: Session, model_id: str
+) -> None:
+    _beat(session, "w1", "a")
+    _beat(session, "w2", "b")
+    job = _job(session, model_id)
+    assert repo.start_job(session, job_id=job.id, worker="w1", instance="a", pid=1,
+                          redelivered=False).attempts == 1
+    # The sweep sent it again: another live worker, and another process of the same one
+    # whose owner process lives, both leave it alone.
+    assert repo.start_job(session, job_id=job.id, worker="w2", instance="b", pid=2,
+                          redelivered=False) is None
+    assert repo.start_job(session, job_id=job.id, worker="w1", instance="a", pid=3,
+                          redelivered=False, pid_alive=lambda pid: pid == 1) is None
+    assert repo.get_job(session, job_id=job.id).attempts == 1
+    # The owner's pool child was killed: Celery redelivers, the same instance takes over.
+    again = repo.start_job(session, job_id=job.id, worker="w1", instance="a", pid=3,
+                           redelivered=False, pid_alive=lambda pid: False)
+    assert again.attempts == 2 and again.worker_instance == "a"
+
+
+def test_starts_beyond_the_attempt_limit_fail_worker_lost(session: Session, model_id: str) -> None:
+    job = _job(session, model_id)
+    for attempt in (1, 2, 3):
+        started = repo.start_job(session, job_id=job.id, worker="w", instance="a", pid=attempt,
+                                 max_attempts=3, pid_alive=lambda pid: False)
+        assert started.attempts == attempt
+        repo.set_job_stage(session, job_id=job.id, stage=JobStage.BUILDING, progress=0.4)
+    assert repo.start_job(session, job_id=job.id, worker="w", instance="a", pid=4,
+                          max_attempts=3) is None
+    failed = repo.get_job(session, job_id=job.id)
+    assert failed.status is JobStatus.FAILED and failed.attempts == 3
+    assert failed.error.code is ErrorCode.WORKER_LOST
+    assert "started 3 times" in failed.error.message and "building" in failed.error.message
+    # A publish resumed from kept outputs is no new build: it is not counted.
+    other = _job(session, model_id)
+    for _ in range(4):
+        resumed = repo.start_job(session, job_id=other.id, worker="w", max_attempts=3,
+                                 count_attempt=False)
+        assert resumed.attempts == 0
+
+
+def test_a_running_job_past_its_deadline_fails_timed_out(session: Session, model_id: str) -> None:
+    from datetime import datetime, timedelta
+
+    _beat(session, "w1", "a")
+    job = _job(session, model_id)
+    past = datetime.now(UTC) - timedelta(seconds=1)
+    repo.start_job(session, job_id=job.id, worker="w1", instance="a", deadline=past)
+    repo.set_job_stage(session, job_id=job.id, stage=JobStage.BENCHMARKING, progress=0.7)
+    fresh = _job(session, model_id, key="other-key")
+    repo.start_job(session, job_id=fresh.id, worker="w1", instance="a",
+                   deadline=past + timedelta(hours=1))
+
+    requeued, (failed,) = repo.sweep_orphaned_jobs(session, max_attempts=3)
+    assert requeued == [] and failed.id == job.id
+    assert failed.status is JobStatus.FAILED and failed.error.code is ErrorCode.TIMED_OUT
+    assert failed.error.details["stage"] == "benchmarking"
+    assert repo.get_job(session, job_id=fresh.id).status is JobStatus.RUNNING
+
+
+def test_jobs_with_no_task_behind_them_are_found_for_the_sweep(
+    session: Session, model_id: str
+) -> None:
+    from datetime import timedelta
+
+    from services.db.tables import CompileJobRow
+
+    def age(job_id: str, *, created_s: float = 0, enqueued_s: float | None = None) -> None:
+        row = session.get(CompileJobRow, job_id)
+        row.created_at -= timedelta(seconds=created_s)
+        if enqueued_s is not None:
+            row.enqueued_at = row.created_at + timedelta(seconds=created_s - enqueued_s)
+        session.flush()
+
+    never = _job(session, model_id, key="k-never")  # the API died before enqueueing it
+    age(never.id, created_s=30)
+    just_made = _job(session, model_id, key="k-new")  # being enqueued right now
+    lost = _job(session, model_id, key="k-lost")  # sent long ago, the broker lost it
+    age(lost.id, created_s=900, enqueued_s=900)
+    recent = _job(session, model_id, key="k-recent")
+    age(recent.id, created_s=900, enqueued_s=5)
+    waiting = _job(session, model_id, key="k-waiting")  # its task waits in its queue
+    repo.set_job_status(session, job_id=waiting.id, status=JobStatus.WAITING_FOR_HARDWARE)
+    age(waiting.id, created_s=900, enqueued_s=900)
+    waiting_never = _job(session, model_id, key="k-waiting-never")
+    repo.set_job_status(session, job_id=waiting_never.id, status=JobStatus.WAITING_FOR_HARDWARE)
+    age(waiting_never.id, created_s=30)
+
+    found = {j.id for j in repo.jobs_to_enqueue(session, grace_s=10, requeue_s=300)}
+    assert found == {never.id, lost.id, waiting_never.id}
+    assert just_made.id not in found and recent.id not in found
+    repo.mark_enqueued(session, job_ids=sorted(found))
+    session.expire_all()
+    assert repo.jobs_to_enqueue(session, grace_s=10, requeue_s=300) == []

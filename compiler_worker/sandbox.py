@@ -1,0 +1,225 @@
+"""The untrusted steps of a compile job, run in a bounded child (``artifact_store.sandbox``).
+
+Everything derived from a user's upload runs in the child: parsing the model (which custom
+ops it needs), loading the datasets, importing plugin code, building, verifying and
+benchmarking the candidates (``compile_model``). The worker process — which holds the
+database URL, the store credentials and the signing key — only fetches inputs into the job's
+scratch folder, hands the child a JSON request, and checks what comes back: a manifest that
+must describe the planned artifact, and blob files that must be regular files inside the
+scratch folder (the store re-hashes them as it uploads).
+
+One child per step: ``custom_ops`` (imports onnx only) and ``compile_model`` (one child for
+the whole tuning run, not one per candidate). A child that breaches a limit fails the job
+with ``resource_limit`` or ``timed_out`` naming the stage; the worker goes on serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from artifact_store.sandbox import Limits, readable_in_child, run_sandboxed
+from compiler_worker.config import WorkerSettings
+from compiler_worker.pipeline import BuildPlan, CompileResult, StageCallback
+from schemas.errors import CompileError, IntegrityError
+from schemas.fingerprint import HardwareFingerprint
+from schemas.jobs import JobStage
+from schemas.manifest import ArtifactManifest
+from schemas.options import CompileOptions
+from schemas.plugins import PluginRef
+from schemas.tuning import TuningTable
+
+__all__ = ["Sandbox", "limits_from"]
+
+logger = logging.getLogger(__name__)
+
+MODEL_FILE = "submitted.model"
+SAMPLES_FILE = "samples.npz"
+CALIBRATION_FILE = "calibration.npz"
+
+
+def limits_from(settings: WorkerSettings) -> Limits:
+    return Limits(
+        address_space_bytes=settings.sandbox_memory_bytes,
+        cpu_s=settings.sandbox_cpu_s,
+        file_size_bytes=settings.sandbox_file_bytes,
+        open_files=settings.sandbox_open_files,
+        wall_s=settings.sandbox_timeout_s,
+        landlock=settings.sandbox_landlock,
+        network_isolation=settings.sandbox_network_isolation,
+    )
+
+
+class Sandbox:
+    """The worker's door to its bounded children."""
+
+    def __init__(self, limits: Limits, *, secrets: Sequence[Path | None] = ()) -> None:
+        """``secrets``: files no child may read (the signing key); each one a child could
+        read all the same (kept inside the import path) is named in a warning."""
+        self.limits = limits
+        for secret in secrets:
+            if secret is not None and limits.landlock and readable_in_child(secret):
+                logger.warning("sandbox: %s lies under a folder sandboxed builds may read (the "
+                               "Python installation, a system folder or the import path); "
+                               "keep it elsewhere", secret)
+
+    def custom_ops(self, model_bytes: bytes, workdir: Path) -> set[str]:
+        """The custom ops (``domain::OpType``) the model uses, parsed in a child."""
+        model = _write(workdir, MODEL_FILE, model_bytes)
+        ops = run_sandboxed(f"{__name__}:custom_ops_child", {"model": model.name},
+                            scratch=workdir, limits=self.limits, stage=JobStage.LOADING.value)
+        if not isinstance(ops, list) or not all(isinstance(op, str) for op in ops):
+            raise CompileError(f"the model inspection answered {type(ops).__name__}, not a "
+                               f"list of op names")
+        return set(ops)
+
+    def compile_model(
+        self,
+        model_bytes: bytes,
+        options: CompileOptions,
+        *,
+        fingerprint: HardwareFingerprint,
+        workdir: Path,
+        plan: BuildPlan,
+        on_stage: StageCallback | None = None,
+        plugins: Sequence[tuple[PluginRef, Path]] = (),
+        samples: bytes | None = None,
+        calibration: bytes | None = None,
+        reuse: TuningTable | None = None,
+        disabled_passes: frozenset[str] = frozenset(),
+    ) -> CompileResult:
+        """``pipeline.compile_model`` in a child: the same arguments, except that the
+        datasets are the ``.npz`` bytes (checked and loaded in the child) and ``plugins``'
+        archives must lie inside ``workdir``. The result's blobs lie in ``workdir``."""
+        workdir = Path(workdir).resolve()
+        model = _write(workdir, MODEL_FILE, model_bytes)
+        args: dict[str, Any] = {
+            "model": model.name,
+            "options": options.model_dump(mode="json"),
+            "fingerprint": fingerprint.model_dump(mode="json"),
+            "key": plan.fingerprint_key,
+            "artifact_id": plan.artifact_id,
+            "toolchain": plan.toolchain,
+            "disabled_passes": sorted(disabled_passes),
+            "plugins": [{"ref": ref.model_dump(mode="json"),
+                         "archive": _inside(Path(path), workdir, what="plugin bundle")}
+                        for ref, path in plugins],
+            "samples": None if samples is None else _write(workdir, SAMPLES_FILE, samples).name,
+            "calibration": None if calibration is None
+            else _write(workdir, CALIBRATION_FILE, calibration).name,
+            "reuse": None if reuse is None else reuse.model_dump(mode="json"),
+        }
+
+        def relay(event: dict[str, Any]) -> None:
+            if on_stage is None:
+                return
+            try:
+                stage, progress = JobStage(event["stage"]), float(event["progress"])
+            except (KeyError, TypeError, ValueError):
+                logger.warning("ignoring a malformed progress event from the build: %.200r",
+                               event)
+                return
+            on_stage(stage, min(max(progress, 0.0), 1.0))
+
+        answer = run_sandboxed(f"{__name__}:compile_child", args, scratch=workdir,
+                               limits=self.limits, stage=JobStage.LOADING.value, on_event=relay)
+        return _checked_result(answer, plan, options, workdir, plugins)
+
+
+def _write(workdir: Path, name: str, data: bytes) -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / name
+    path.write_bytes(data)
+    return path
+
+
+def _inside(path: Path, workdir: Path, *, what: str) -> str:
+    """``path`` relative to ``workdir``; ``IntegrityError`` unless it is a regular file
+    strictly inside it (links are not followed)."""
+    resolved = path.resolve() if path.is_absolute() else (workdir / path).resolve()
+    if not resolved.is_relative_to(workdir) or resolved == workdir:
+        raise IntegrityError(f"the {what} {path} is outside the job's folder {workdir}")
+    if resolved.is_symlink() or not resolved.is_file():
+        raise IntegrityError(f"the {what} {path} is not a regular file")
+    return str(resolved.relative_to(workdir))
+
+
+def _checked_result(answer: Any, plan: BuildPlan, options: CompileOptions, workdir: Path,
+                    plugins: Sequence[tuple[PluginRef, Path]]) -> CompileResult:
+    """The child's answer as a ``CompileResult``, refused unless it is the planned artifact
+    and its blobs are regular files inside the job's folder."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("blob_paths"), dict):
+        raise CompileError("the build answered no manifest and blob paths")
+    try:
+        manifest = ArtifactManifest.model_validate(answer.get("manifest"))
+    except ValueError as exc:
+        raise CompileError(f"the build answered an invalid manifest: {exc}") from exc
+    expected = {"artifact_id": plan.artifact_id, "fingerprint_key": plan.fingerprint_key,
+                "toolchain": plan.toolchain, "backend": plan.backend.name,
+                "options_digest": options.digest()}
+    got = {name: getattr(manifest, name) for name in expected}
+    if got != expected:
+        raise CompileError(f"the build answered a manifest for {got}; the job planned "
+                           f"{expected}")
+    blob_paths: dict[str, Path] = {}
+    for ref in manifest.blobs:
+        relative = answer["blob_paths"].get(ref.name)
+        if not isinstance(relative, str):
+            raise CompileError(f"the build listed blob {ref.name!r} without its file")
+        blob_paths[ref.name] = workdir / _inside(Path(relative), workdir, what=f"blob {ref.name}")
+    archives = {ref.digest: Path(path) for ref, path in plugins}
+    plugin_paths = {p.digest: archives[p.digest] for p in manifest.plugins if p.digest in archives}
+    return CompileResult(manifest=manifest, blob_paths=blob_paths, plugin_paths=plugin_paths)
+
+
+# --- in the child ------------------------------------------------------------------------------
+
+def custom_ops_child(args: dict[str, Any], emit) -> list[str]:
+    from schemas.onnx_model import custom_ops, load_model_bytes
+    from schemas.torch_export import inspect_export_archive, is_zip
+
+    path = Path(args["model"])
+    with path.open("rb") as handle:
+        if is_zip(handle.read(4)):  # a torch.export program: its ops outside torch's own
+            return sorted(inspect_export_archive(path).custom_ops)
+
+    return sorted(custom_ops(load_model_bytes(Path(args["model"]).read_bytes())))
+
+
+def compile_child(args: dict[str, Any], emit) -> dict[str, Any]:
+    from compiler_worker.pipeline import compile_model, plan_build
+    from schemas.datasets import load_npz
+
+    def dataset(name: str | None):
+        if name is None:
+            return None
+        data = Path(name).read_bytes()
+        return load_npz(data, max_bytes=len(data))
+
+    model_bytes = Path(args["model"]).read_bytes()
+    options = CompileOptions.model_validate(args["options"])
+    fingerprint = HardwareFingerprint.model_validate(args["fingerprint"])
+    plugins = [(PluginRef.model_validate(p["ref"]), Path(p["archive"]).resolve())
+               for p in args["plugins"]]
+    disabled = frozenset(args["disabled_passes"])
+    from schemas._canonical import sha256_hex
+
+    plan = plan_build(sha256_hex(model_bytes), options, fingerprint, key=args["key"],
+                      disabled_passes=disabled, plugins=[ref for ref, _ in plugins])
+    if (plan.artifact_id, plan.toolchain) != (args["artifact_id"], args["toolchain"]):
+        raise CompileError(
+            f"the build plans artifact {plan.artifact_id} with toolchain {plan.toolchain!r}; "
+            f"the worker planned {args['artifact_id']} with {args['toolchain']!r}")
+    result = compile_model(
+        model_bytes, options, fingerprint=fingerprint, workdir=Path.cwd(),
+        on_stage=lambda stage, progress: emit({"stage": stage.value, "progress": progress}),
+        disabled_passes=disabled, plugins=plugins, plan=plan,
+        samples=dataset(args["samples"]), calibration=dataset(args["calibration"]),
+        reuse=None if args["reuse"] is None else TuningTable.model_validate(args["reuse"]),
+    )
+    cwd = Path.cwd().resolve()
+    return {"manifest": result.manifest.model_dump(mode="json"),
+            "blob_paths": {name: str(Path(path).resolve().relative_to(cwd))
+                           for name, path in result.blob_paths.items()}}

@@ -1,0 +1,276 @@
+"""The API's front door: a pure ASGI middleware that decides on a request before its body is
+read.
+
+For every request it finds the route, then, before a single body byte is received:
+
+1. **Authentication** (every route but the public ones): the bearer token's signature,
+   expiry and revocation (a database lookup, in a thread), then the route's role (the role
+   check its dependencies declare). A refusal is 401/403 with the reason.
+2. **Body size**, per route: a ``Content-Length`` over the route's limit is refused with 413;
+   a body without one (chunked) is counted as it streams and refused the moment it passes the
+   limit. JSON routes get ``KILN_MAX_JSON_BYTES``; an upload route names its own limit with
+   ``openapi_extra={BODY_LIMIT: "<settings field>"}`` (it shows in the OpenAPI document).
+
+The principal goes into the request's state, so the route's dependencies do not decode the
+token again; they still check the role (the route keeps its own guard).
+
+Browsers cannot send a bearer header on a navigation, so under the dashboard's prefix
+(``BrowserPaths``) a request without one is authenticated by the session cookie the login page
+set, and a refusal is the dashboard's own answer (a redirect to its login page, a readable
+403) rather than a JSON body. Everywhere else the cookie counts for nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute, RouteContext, iter_route_contexts
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import cookie_parser
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from schemas.errors import ErrorBody, ErrorCode, KilnError
+from services.api.auth import Principal, Role, decode_token, require_role, revoked_error
+from services.config import KilnSettings
+
+logger = logging.getLogger(__name__)
+
+#: ``openapi_extra`` key of an upload route: the settings field holding its body limit.
+BODY_LIMIT = "x-kiln-body-limit"
+#: The attribute on a dependency callable that marks it as a role check: the roles it admits
+#: besides admin (``None``: any authenticated role).
+ROLES_ATTR = "__kiln_roles__"
+#: Room for multipart framing on top of an upload's payload limit.
+MULTIPART_SLACK = 64 * 1024
+#: The state key the principal is stored under.
+PRINCIPAL = "kiln_principal"
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from ``receive`` when a streamed body passes its limit. An ``HTTPException``, so
+    that FastAPI's body parsing passes it on instead of answering 400."""
+
+    def __init__(self, seen: int, policy: _Policy) -> None:
+        super().__init__(413, policy.too_large(seen))
+
+
+@dataclass(frozen=True)
+class _Policy:
+    #: ``None``: public (no token needed); else the roles admitted besides admin, where an
+    #: empty tuple means admin only and ``ANY`` any authenticated role.
+    roles: tuple[Role, ...] | None
+    #: The setting that bounds the body, and its value.
+    limit_name: str
+    setting: int
+    #: Bytes allowed on top of it (an upload's multipart framing).
+    slack: int = 0
+
+    @property
+    def limit(self) -> int:
+        return self.setting + self.slack
+
+    def too_large(self, size: int) -> str:
+        framing = f" (plus {self.slack} bytes of multipart framing)" if self.slack else ""
+        return (f"request body of at least {size} bytes is over this route's limit of "
+                f"{self.setting} bytes{framing}; the limit is {self.limit_name}")
+
+
+ANY: tuple[Role, ...] = tuple(Role)
+
+
+@dataclass(frozen=True)
+class BrowserPaths:
+    """The dashboard's paths: ``prefix`` (and everything under it) accepts the session cookie
+    ``cookie`` in place of a bearer header; ``refuse(scope, error)`` answers a refused
+    request there."""
+
+    prefix: str
+    cookie: str
+    refuse: Callable[[Scope, KilnError], Response]
+
+    def covers(self, path: str) -> bool:
+        return path == self.prefix or path.startswith(self.prefix + "/")
+
+    def authorization(self, headers: dict[bytes, bytes]) -> str | None:
+        raw = headers.get(b"cookie")
+        token = cookie_parser(raw.decode("latin-1")).get(self.cookie) if raw else None
+        return f"Bearer {token}" if token else None
+
+
+def route_roles(dependant: Dependant) -> tuple[Role, ...] | None:
+    """The roles a route admits, from the role checks among its dependencies (the narrowest
+    wins); ``None`` when it declares none (a public route)."""
+    found: list[tuple[Role, ...]] = []
+
+    def walk(node: Dependant) -> None:
+        for dep in node.dependencies:
+            marker = getattr(dep.call, ROLES_ATTR, False)
+            if marker is not False:
+                found.append(ANY if marker is None else tuple(marker))
+            walk(dep)
+
+    walk(dependant)
+    if not found:
+        return None
+    allowed = set(found[0])
+    for roles in found[1:]:
+        allowed &= set(roles)
+    return tuple(sorted(allowed))
+
+
+class FrontDoor:
+    """See the module docstring. ``routes`` is the app's route list (read at request time),
+    ``public`` the paths that need no token, ``revoked(jti)`` the revocation lookup,
+    ``browser`` the dashboard's paths (``None``: no dashboard)."""
+
+    def __init__(self, app: ASGIApp, *, settings: KilnSettings, routes: list[BaseRoute],
+                 public: Iterable[str], revoked: Callable[[str], bool],
+                 browser: BrowserPaths | None = None) -> None:
+        self.app = app
+        self.browser = browser
+        self.settings = settings
+        self.routes = routes
+        self.public = frozenset(public)
+        self.revoked = revoked
+        self._policies: list[tuple[RouteContext, _Policy | None]] | None = None
+
+    # ------------------------------------------------------------ policy per route
+    def _json_policy(self, roles: tuple[Role, ...] | None) -> _Policy:
+        return _Policy(roles=roles, limit_name="KILN_MAX_JSON_BYTES",
+                       setting=self.settings.max_json_bytes)
+
+    def _route_policies(self) -> list[tuple[RouteContext, _Policy | None]]:
+        """Every route (through included routers) with its policy (``None``: not an
+        ``APIRoute``, e.g. the documentation), computed once."""
+        if self._policies is None:
+            policies: list[tuple[RouteContext, _Policy | None]] = []
+            for context in iter_route_contexts(self.routes):
+                route = context.original_route
+                if isinstance(route, APIRoute) and route.path not in self.public:
+                    policies.append((context, self._policy_of(route)))
+                else:
+                    policies.append((context, None))
+            self._policies = policies
+        return self._policies
+
+    def _policy_of(self, route: APIRoute) -> _Policy:
+        roles = route_roles(route.dependant)
+        if roles is None:
+            # Deny by default: a route is public only when its path is listed as such.
+            logger.warning("route %s %s declares no role check; admitting admins only",
+                           sorted(route.methods), route.path)
+            roles = ()
+        field = (route.openapi_extra or {}).get(BODY_LIMIT)
+        if field is None:
+            return self._json_policy(roles)
+        return _Policy(roles=roles, limit_name=f"KILN_{field.upper()}",
+                       setting=int(getattr(self.settings, field)), slack=MULTIPART_SLACK)
+
+    def policy(self, scope: Scope) -> _Policy:
+        """The policy of the route ``scope`` reaches (a route matching the path but not the
+        method counts: a 405 follows); a path no route has needs a token (404 after)."""
+        if scope["path"] in self.public:
+            return self._json_policy(None)
+        found: _Policy | None = None
+        for context, policy in self._route_policies():
+            match, _ = context.matches(scope)
+            if match is Match.FULL:
+                found = policy
+                break
+            if match is Match.PARTIAL and found is None:
+                found = policy
+        return found if found is not None else self._json_policy(ANY)
+
+    # ------------------------------------------------------------ the ASGI call
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        policy = self.policy(scope)
+        headers = dict(scope.get("headers") or [])
+        if policy.roles is not None:
+            raw = headers.get(b"authorization")
+            authorization = raw.decode("latin-1") if raw is not None else None
+            browser = self.browser if (self.browser is not None
+                                       and self.browser.covers(scope["path"])) else None
+            if authorization is None and browser is not None:
+                authorization = browser.authorization(headers)
+            try:
+                principal = await self._authenticate(authorization)
+                # Known before the role check, so that a refusal page can say who it refused.
+                scope.setdefault("state", {})[PRINCIPAL] = principal
+                require_role(principal, *policy.roles)
+            except KilnError as exc:
+                if browser is not None:
+                    await browser.refuse(scope, exc)(scope, receive, send)
+                    return
+                await _reply(send, exc.http_status, exc.to_body(),
+                             {"WWW-Authenticate": "Bearer"}
+                             if exc.code is ErrorCode.UNAUTHENTICATED else None)
+                return
+
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await _reply(send, 400, ErrorBody(
+                    code=ErrorCode.INVALID_REQUEST,
+                    message=f"Content-Length must be a byte count; got {declared!r}"))
+                return
+            if int(declared) > policy.limit:
+                await _reply(send, 413, ErrorBody(
+                    code=ErrorCode.MODEL_TOO_LARGE, message=policy.too_large(int(declared)),
+                    details={"limit_bytes": policy.setting, "limit": policy.limit_name}))
+                return
+
+        seen = 0
+        started = False
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > policy.limit:
+                    raise BodyTooLarge(seen, policy)
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracking_send)
+        except BodyTooLarge as exc:
+            if not started:
+                await _reply(send, 413, ErrorBody(code=ErrorCode.MODEL_TOO_LARGE,
+                                                  message=str(exc.detail),
+                                                  details={"limit_bytes": policy.setting,
+                                                           "limit": policy.limit_name}))
+
+    async def _authenticate(self, authorization: str | None) -> Principal:
+        # The signature and expiry first, on the loop (cheap); only a valid token costs a
+        # database lookup, in a thread.
+        principal = decode_token(self.settings.secret_key, authorization)
+        if await run_in_threadpool(self.revoked, principal.jti):
+            raise revoked_error(principal.jti)
+        return principal
+
+
+async def _reply(send: Send, status: int, body: ErrorBody,
+                 headers: dict[str, str] | None = None) -> None:
+    """Answer at once and close: the body the client may still be sending is never read."""
+    payload = body.model_dump_json().encode()
+    raw = [(b"content-type", b"application/json"),
+           (b"content-length", str(len(payload)).encode()),
+           (b"connection", b"close")]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": payload})

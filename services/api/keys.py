@@ -1,0 +1,42 @@
+"""The fingerprint keys an agent may claim: exactly those the registered executors derive
+from the fingerprint it reports. A key names a build queue, so a key no executor derives
+would queue builds no worker can take (or that one hardware class would take for another).
+
+This is the one place the control plane imports ``runtime_agent``: the executors' key rules
+are pure functions of a fingerprint, written once for workers, agents and this check (no
+toolchain is imported with them).
+"""
+
+from __future__ import annotations
+
+from runtime_agent.executors import node_compatibility_keys, node_fingerprint_keys
+from schemas.agents import AgentRegistration
+from schemas.errors import InvalidRequest, KilnError
+
+
+def check_claimed_keys(registration: AgentRegistration) -> None:
+    """``InvalidRequest`` (400) naming the first fingerprint or compatibility key of
+    ``registration`` that the executors do not derive from its fingerprint."""
+    fingerprint = registration.fingerprint
+    try:
+        derived = node_fingerprint_keys(fingerprint)
+        compatible = node_compatibility_keys(fingerprint)
+    except KilnError as exc:
+        raise InvalidRequest(f"no fingerprint key can be derived from agent "
+                             f"{registration.name!r}'s fingerprint: {exc.message}") from exc
+    for backend, key in registration.fingerprint_keys.items():
+        if derived.get(backend) != key:
+            found = (f"derive {derived[backend]!r} for it" if backend in derived
+                     else "have no key for it on this hardware")
+            raise InvalidRequest(
+                f"agent {registration.name!r} claims fingerprint key {key!r} for backend "
+                f"{backend!r}, but the control plane's executors {found}; the keys its "
+                f"fingerprint derives are {derived}", key=key, backend=backend,
+                derived=derived)
+    for backend, keys in registration.compatibility_keys.items():
+        extra = sorted(set(keys) - set(compatible.get(backend, [])))
+        if extra:
+            raise InvalidRequest(
+                f"agent {registration.name!r} claims compatibility key(s) {extra} for backend "
+                f"{backend!r}, which its fingerprint does not derive; it derives "
+                f"{compatible.get(backend, [])}", keys=extra, backend=backend)

@@ -1,0 +1,93 @@
+"""Functions the sandbox tests run in a child (``artifact_store.sandbox`` imports them by
+name). Each tries something a sandboxed step must not be able to do and reports what it got."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from schemas.errors import InvalidRequest
+
+
+def _attempt(action) -> str:
+    try:
+        return f"ok: {action()}"
+    except Exception as exc:
+        return f"refused: {type(exc).__name__}: {exc}"
+
+
+def probe(args: dict[str, Any], emit) -> dict[str, Any]:
+    """Environment, reads, writes, network, signals and /proc of the parent."""
+    emit({"stage": "probing"})
+    parent = os.getppid()
+    return {
+        "env": dict(os.environ),
+        "reads": {path: _attempt(lambda p=path: Path(p).read_text()) for path in args["read"]},
+        "writes": {path: _attempt(lambda p=path: Path(p).write_text("written by the child"))
+                   for path in args["write"]},
+        "connect": _attempt(lambda: socket.create_connection(
+            ("127.0.0.1", args["port"]), timeout=3).close()),
+        "signal_parent": _attempt(lambda: os.kill(parent, 0)),
+        "parent_environ": _attempt(
+            lambda: Path(f"/proc/{parent}/environ").read_bytes().decode(errors="replace")),
+    }
+
+
+def allocate(args: dict[str, Any], emit) -> int:
+    return len(bytearray(args["bytes"]))
+
+
+def spin(args: dict[str, Any], emit) -> None:
+    emit({"stage": "spinning"})
+    while True:
+        pass
+
+
+def sleep_with_grandchild(args: dict[str, Any], emit) -> None:
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    Path(args["pid_file"]).write_text(str(grandchild.pid))
+    time.sleep(600)
+
+
+def write_file(args: dict[str, Any], emit) -> None:
+    Path("big.bin").write_bytes(b"\0" * args["bytes"])
+
+
+def abort(args: dict[str, Any], emit) -> None:
+    print("about to abort", flush=True)
+    os.abort()
+
+
+def refuse(args: dict[str, Any], emit) -> None:
+    raise InvalidRequest("the input is bad in a typed way", field="x")
+
+
+def echo(args: dict[str, Any], emit) -> dict[str, Any]:
+    return {"args": args, "cwd": os.getcwd()}
+
+
+def close_and_sleep(args: dict[str, Any], emit) -> None:
+    """Close every pipe to the parent, then never exit."""
+    os.closerange(0, 64)
+    time.sleep(600)
+
+
+def flood_answer(args: dict[str, Any], emit) -> None:
+    while True:
+        emit({"padding": "x" * 65536})
+
+
+def flood_log(args: dict[str, Any], emit) -> str:
+    for i in range(args["lines"]):
+        print(f"line {i} " + "y" * 100)
+    return "done"
+
+
+def sleep_forever(args: dict[str, Any], emit) -> None:
+    Path("child.pid").write_text(str(os.getpid()))
+    time.sleep(600)

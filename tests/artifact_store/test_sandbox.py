@@ -1,0 +1,272 @@
+"""The bounded child every untrusted step runs in: real child processes, real rlimits,
+Landlock and namespaces on this kernel. Each test tries one way out and checks it is shut
+(or that breaching a limit is a typed error and the parent lives on)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from artifact_store.sandbox import Limits, child_environment, run_sandboxed
+from schemas.errors import InvalidRequest, ResourceLimit, SandboxCrashed, TimedOut
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGETS = "tests.artifact_store.sandbox_targets"
+SECRET = "SECRET-SIGNING-KEY-42"
+
+
+@pytest.fixture(autouse=True)
+def importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child imports the targets from this checkout (its only inherited import path);
+    each test starts with nothing warned yet."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setattr("artifact_store.sandbox._WARNED", set())
+
+
+def run(target: str, args: dict, scratch: Path, **limits):
+    return run_sandboxed(f"{TARGETS}:{target}", args, scratch=scratch,
+                         limits=Limits(**{"wall_s": 60, **limits}), stage="test")
+
+
+def test_the_child_gets_no_credentials_no_files_no_network_and_cannot_touch_its_parent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    for name, value in {"KILN_SECRET_KEY": SECRET, "AWS_SECRET_ACCESS_KEY": SECRET,
+                        "KILN_DATABASE_URL": f"postgresql://kiln:{SECRET}@db/kiln",
+                        "KILN_SIGNING_KEY_PATH": str(tmp_path / "signing.key")}.items():
+        monkeypatch.setenv(name, value)
+    secret = tmp_path / "signing.key"
+    secret.write_text(SECRET)
+    scratch = tmp_path / "scratch"
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.setblocking(False)
+    with listener:
+        got = run("probe", {"read": [str(secret), "/etc/shadow"],
+                            "write": [str(tmp_path / "outside.txt"), "inside.txt"],
+                            "port": listener.getsockname()[1]}, scratch)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+
+    assert set(got["env"]) <= {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONPATH",
+                               "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED"}
+    assert got["env"]["HOME"] == str(scratch.resolve())
+    assert SECRET not in repr(got)
+    assert all(result.startswith("refused") for result in got["reads"].values()), got["reads"]
+    assert got["writes"][str(tmp_path / "outside.txt")].startswith("refused")
+    assert not (tmp_path / "outside.txt").exists()
+    assert got["writes"]["inside.txt"].startswith("ok")
+    assert (scratch / "inside.txt").read_text() == "written by the child"
+    assert got["connect"].startswith("refused"), got["connect"]
+    assert got["signal_parent"].startswith("refused"), got["signal_parent"]
+    assert got["parent_environ"].startswith("refused"), got["parent_environ"]
+
+
+def test_child_environment_keeps_only_paths_and_thread_counts(tmp_path: Path):
+    env = child_environment(tmp_path, {"PATH": "/usr/bin", "OMP_NUM_THREADS": "2",
+                                       "KILN_SECRET_KEY": SECRET, "PYTHONPATH": "/src",
+                                       "AWS_ACCESS_KEY_ID": "AKIA", "HOME": "/root"})
+    assert env["PATH"] == "/usr/bin" and env["OMP_NUM_THREADS"] == "2"
+    assert env["PYTHONPATH"] == "/src" and env["HOME"] == env["TMPDIR"] == str(tmp_path)
+    assert "KILN_SECRET_KEY" not in env and "AWS_ACCESS_KEY_ID" not in env
+
+
+def test_args_and_answer_round_trip_as_json_in_the_scratch_folder(tmp_path: Path):
+    got = run("echo", {"n": 3, "names": ["a", "b"]}, tmp_path / "s")
+    assert got == {"args": {"n": 3, "names": ["a", "b"]}, "cwd": str((tmp_path / "s").resolve())}
+
+
+def test_a_typed_error_in_the_child_arrives_typed_with_its_stage(tmp_path: Path):
+    with pytest.raises(InvalidRequest) as err:
+        run("refuse", {}, tmp_path)
+    assert err.value.details == {"field": "x", "stage": "test"}
+
+
+def test_allocating_past_the_address_space_limit_is_resource_limit(tmp_path: Path):
+    with pytest.raises(ResourceLimit) as err:
+        run("allocate", {"bytes": 2 << 30}, tmp_path, address_space_bytes=1 << 30)
+    assert err.value.details["limit"] == "address_space"
+    # the parent lives on, and the next child works
+    assert run("allocate", {"bytes": 1 << 20}, tmp_path) == 1 << 20
+
+
+def test_spinning_past_the_cpu_limit_is_resource_limit_naming_the_stage(tmp_path: Path):
+    with pytest.raises(ResourceLimit) as err:
+        run("spin", {}, tmp_path, cpu_s=1)
+    assert err.value.details["limit"] == "cpu_time"
+    assert err.value.details["stage"] == "spinning"
+
+
+def test_writing_past_the_file_size_limit_is_resource_limit(tmp_path: Path):
+    with pytest.raises(ResourceLimit) as err:
+        run("write_file", {"bytes": 1 << 20}, tmp_path, file_size_bytes=64 << 10)
+    assert err.value.details["limit"] == "file_size"
+    assert (tmp_path / "big.bin").stat().st_size <= 64 << 10
+
+
+def test_the_wall_clock_limit_kills_the_child_and_what_it_started(tmp_path: Path):
+    pid_file = tmp_path / "grandchild.pid"
+    started = time.monotonic()
+    with pytest.raises(TimedOut) as err:
+        run("sleep_with_grandchild", {"pid_file": "grandchild.pid"}, tmp_path, wall_s=3)
+    assert time.monotonic() - started < 10
+    assert err.value.details["limit"] == "wall_clock"
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+            break  # killed, waiting for its reaper
+        time.sleep(0.1)
+    else:
+        assert not Path(f"/proc/{pid}").exists(), "the grandchild outlived the timeout"
+
+
+def test_a_child_that_dies_is_a_typed_crash_with_its_last_output(tmp_path: Path):
+    with pytest.raises(SandboxCrashed) as err:
+        run("abort", {}, tmp_path)
+    assert err.value.details["signal"] == "SIGABRT"
+    assert "about to abort" in err.value.message
+
+
+def test_what_is_not_enforced_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    caplog.set_level(logging.WARNING, logger="artifact_store.sandbox")
+    got = run("probe", {"read": [], "write": [str(tmp_path / "outside.txt")], "port": 9},
+              tmp_path / "s", landlock=False)
+    assert got["writes"][str(tmp_path / "outside.txt")].startswith("ok")  # nothing stops it
+    assert any("Landlock is turned off" in r.getMessage() for r in caplog.records)
+    os.unlink(tmp_path / "outside.txt")
+    caplog.clear()  # said once per process, not at every run
+    run("probe", {"read": [], "write": [], "port": 9}, tmp_path / "s", landlock=False)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("layer", ["network namespace", "landlock"])
+def test_each_layer_alone_keeps_the_child_off_the_network(tmp_path: Path, layer: str):
+    """A new network namespace, and Landlock (ABI 4+) on its own, each refuse a TCP connect
+    to a port the parent listens on."""
+    limits = ({"landlock": False} if layer == "network namespace"
+              else {"network_isolation": False})
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.setblocking(False)
+    with listener:
+        got = run("probe", {"read": [], "write": [], "port": listener.getsockname()[1]},
+                  tmp_path / "s", **limits)
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    assert got["connect"].startswith("refused"), got["connect"]
+
+
+def test_a_secret_inside_the_import_path_is_flagged_and_one_outside_is_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    import sys
+
+    from artifact_store.sandbox import readable_in_child
+    from compiler_worker.sandbox import Sandbox
+
+    source = tmp_path / "checkout"
+    (source / "keys").mkdir(parents=True)
+    (source / ".kiln").mkdir()
+    monkeypatch.setattr(sys, "path", [*sys.path, str(source)])
+    assert readable_in_child(source / "keys" / "signing.key")
+    assert not readable_in_child(source / ".kiln" / "signing.key")  # hidden: left out
+    assert not readable_in_child(tmp_path / "elsewhere" / "signing.key")
+    caplog.set_level(logging.WARNING, logger="compiler_worker.sandbox")
+    Sandbox(Limits(), secrets=[source / "keys" / "signing.key", source / ".kiln" / "k"])
+    assert [r.getMessage() for r in caplog.records if "signing.key" in r.getMessage()]
+    assert not [r for r in caplog.records if ".kiln" in r.getMessage()]
+
+
+def test_a_child_that_closes_its_pipes_and_lingers_is_stopped_at_its_deadline(tmp_path: Path):
+    started = time.monotonic()
+    with pytest.raises(TimedOut):
+        run("close_and_sleep", {}, tmp_path, wall_s=3)
+    assert time.monotonic() - started < 10
+
+
+def test_an_oversized_answer_stops_the_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr("artifact_store.sandbox.MAX_ANSWER_BYTES", 1 << 20)
+    started = time.monotonic()
+    with pytest.raises(SandboxCrashed) as err:
+        run("flood_answer", {}, tmp_path, wall_s=60)
+    assert "answered more than" in err.value.message
+    assert time.monotonic() - started < 20
+
+
+def test_a_flood_of_output_is_relayed_only_up_to_its_cap(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    monkeypatch.setattr("artifact_store.sandbox.MAX_RELAYED_BYTES", 10_000)
+    caplog.set_level(logging.INFO, logger="artifact_store.sandbox.child")
+    assert run("flood_log", {"lines": 5000}, tmp_path) == "done"
+    relayed = [r for r in caplog.records if r.name == "artifact_store.sandbox.child"]
+    assert 50 < len(relayed) < 200
+    assert "is not logged" in relayed[-1].getMessage()
+
+
+def test_accelerator_device_nodes_are_found_and_nothing_else(tmp_path: Path):
+    """Which /dev nodes a build may open read-write (Landlock): GPUs only. (No GPU here: the
+    rule is checked on a fake /dev; CUDA inside a sandboxed child never ran on this host.)"""
+    from artifact_store.sandbox import accelerator_devices
+
+    for name in ("nvidia0", "nvidiactl", "nvidia-uvm", "sda", "null", "shm"):
+        (tmp_path / name).touch()
+    (tmp_path / "nvidia-caps").mkdir()
+    (tmp_path / "dri").mkdir()
+    assert accelerator_devices(tmp_path) == sorted(
+        str(tmp_path / name) for name in ("dri", "nvidia-caps", "nvidia-uvm", "nvidia0",
+                                          "nvidiactl"))
+
+
+@pytest.mark.parametrize("abi", [1, 2, 3, 4, 5, 6])
+def test_older_landlock_abis_still_confine_writes_and_say_what_they_cannot(
+        tmp_path: Path, abi: int, caplog: pytest.LogCaptureFixture):
+    """The rules an older kernel gets (its ABI pinned, no network namespace): writes stay in
+    the scratch folder on every ABI; TCP is refused from ABI 4 and signals to the parent from
+    ABI 6, and below those the warning says so."""
+    caplog.set_level(logging.WARNING, logger="artifact_store.sandbox")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    with listener:
+        got = run("probe", {"read": [], "write": [str(tmp_path / "outside.txt"), "inside.txt"],
+                            "port": listener.getsockname()[1]}, tmp_path / "s",
+                  landlock_max_abi=abi, network_isolation=False)
+    warnings = " ".join(r.getMessage() for r in caplog.records)
+    assert got["writes"][str(tmp_path / "outside.txt")].startswith("refused")
+    assert got["writes"]["inside.txt"].startswith("ok")
+    assert got["connect"].startswith("refused" if abi >= 4 else "ok"), got["connect"]
+    assert ("cannot refuse TCP" in warnings) == (abi < 4)
+    assert ("cannot stop the child signalling" in warnings) == (abi < 6)
+
+
+def test_the_child_dies_with_the_process_that_started_it(tmp_path: Path):
+    """A worker killed mid-build (SIGKILL, a revoked task) leaves no sandboxed child behind."""
+    import signal
+    import subprocess
+    import sys
+
+    scratch = tmp_path / "s"
+    starter = subprocess.Popen([sys.executable, "-c", (
+        "from pathlib import Path; from artifact_store.sandbox import Limits, run_sandboxed; "
+        f"run_sandboxed('{TARGETS}:sleep_forever', {{}}, scratch=Path({str(scratch)!r}), "
+        "limits=Limits(wall_s=600), stage='test')")])
+    pid_file = scratch / "child.pid"
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    starter.send_signal(signal.SIGKILL)
+    starter.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        if Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        assert not Path(f"/proc/{child}").exists(), "the child outlived its parent"

@@ -1,0 +1,223 @@
+"""Incremental desired state: a deployment plans once per profile among the agents it selects
+(the rest of the fleet is not read), desired models are computed once per profile and kept
+until a change concerns them, and a liveness heartbeat is one UPDATE."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+from sqlalchemy import event
+
+from kiln.examples import mlp
+from services.api.app import create_app
+from services.api.auth import Role
+from services.config import KilnSettings
+from tests.services.api.conftest import bearer, make_settings, registration
+from tests.services.api.test_api import upload
+from tests.services.api.test_desired_state_poll import digest_of, in_thread, poll
+from tests.services.api.test_fleet import KEY, deploy, record
+
+
+class Statements:
+    """The SQL statements the API's engine runs, and the agents rows they return."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine, self.log = engine, []
+        event.listen(engine, "after_cursor_execute", self._seen)
+
+    def _seen(self, conn, cursor, statement, params, context, many) -> None:
+        rows = cursor.rowcount if statement.lstrip().upper().startswith("SELECT") else 0
+        self.log.append((statement, rows))
+
+    def clear(self) -> None:
+        self.log.clear()
+
+    def agent_rows_read(self) -> int:
+        return sum(rows for statement, rows in self.log if "FROM agents" in statement)
+
+    def close(self) -> None:
+        event.remove(self.engine, "after_cursor_execute", self._seen)
+
+
+def seed_agents(api, count: int, *, selected_every: int) -> None:
+    """``count`` agents; one in ``selected_every`` labelled ``ring=hot``."""
+    for i in range(count):
+        labels = {"ring": "hot" if i % selected_every == 0 else "cold"}
+        response = api.post("/v1/agents", json=registration(f"n{i:04d}", KEY, labels))
+        assert response.status_code == 200, response.text
+
+
+@pytest.fixture
+def pg_api(tmp_path, postgres_url):
+    """The API on PostgreSQL (whose cursors count the rows a SELECT returns)."""
+    with TestClient(create_app(make_settings(tmp_path, database_url=postgres_url,
+                                                   desired_state_cache_s=30)),
+                    raise_server_exceptions=False) as client:
+        client.headers["Authorization"] = bearer()
+        yield client
+
+
+@pytest.mark.parametrize("fleet", [20, 200])
+def test_a_deployment_reads_only_the_agents_it_selects(pg_api, fleet):
+    """However large the fleet, a deployment selecting 10 agents reads those 10 rows and
+    issues the same statements: it does not walk the fleet."""
+    api = pg_api
+    seed_agents(api, fleet, selected_every=fleet // 10)
+    model_id = upload(api, mlp().SerializeToString()).json()["id"]
+    seen = Statements(api.app.state.engine)
+    try:
+        response = deploy(api, "hot", model_id, {"ring": "hot"})
+        assert response.status_code == 201, response.text
+        assert len(response.json()["build_jobs"]) == 1  # one profile: one build
+        rows = seen.agent_rows_read()
+        statements = len(seen.log)
+    finally:
+        seen.close()
+    assert rows == 10, f"read {rows} agent rows for a deployment selecting 10"
+    assert statements < 40, f"{statements} statements"
+    # The same statements whatever the fleet's size (the other parametrization).
+    test_a_deployment_reads_only_the_agents_it_selects.__dict__.setdefault(
+        "statements", set()).add(statements)
+    assert len(test_a_deployment_reads_only_the_agents_it_selects.statements) == 1
+
+
+def test_desired_models_are_computed_once_per_profile_until_a_change_concerns_them(
+        api, settings):
+    hub = api.app.state.desired_hub
+    for i in range(6):
+        labels = {"site": "a" if i < 4 else "b"}
+        assert api.post("/v1/agents", json=registration(f"n{i}", KEY, labels)).status_code == 200
+    model_id = upload(api, mlp().SerializeToString()).json()["id"]
+    record(settings, model_id)
+    assert deploy(api, "svc", model_id, {"site": "a"}).status_code == 201
+    time.sleep(1.5)  # the re-check has seen the artifact recorded behind the API's back
+
+    before = hub.cache.computations
+    digests = {f"n{i}": digest_of(api, poll(api, f"n{i}")) for i in range(6)}
+    # Six agents, two profiles; site=b's is still cached from the registrations (the
+    # deployment concerned only site=a's): one computation.
+    assert hub.cache.computations - before == 1
+    for i in range(6):  # renewed with nothing changed: no computation
+        assert poll(api, f"n{i}", after=digests[f"n{i}"]).status_code == 204
+    assert hub.cache.computations - before == 1
+
+    # A change for site=b recomputes only b's profile; a's stays cached.
+    other = upload(api, mlp(seed=7).SerializeToString()).json()["id"]
+    record(settings, other)
+    time.sleep(1.5)
+    assert deploy(api, "b-only", other, {"site": "b"}).status_code == 201
+    assert poll(api, "n0", after=digests["n0"]).status_code == 204
+    assert hub.cache.computations - before == 1
+    answered = poll(api, "n4", after=digests["n4"])
+    assert answered.status_code == 200
+    assert hub.cache.computations - before == 2
+    assert poll(api, "n5", after=digests["n5"]).status_code == 200  # same profile: cached
+    assert hub.cache.computations - before == 2
+
+
+def test_a_minimal_heartbeat_is_one_update(api):
+    assert api.post("/v1/agents", json=registration("n1", KEY, {})).status_code == 200
+    seen = Statements(api.app.state.engine)
+    try:
+        response = api.post("/v1/agents/n1/heartbeat", json={"models": []},
+                            headers={"Authorization": bearer(Role.AGENT, agent="n1"),
+                                     "Prefer": "return=minimal"})
+    finally:
+        seen.close()
+    assert response.status_code == 204
+    agents = [s for s, _ in seen.log if "agents" in s]
+    assert len(agents) == 1 and agents[0].lstrip().upper().startswith("UPDATE"), agents
+    ghost = api.post("/v1/agents/ghost/heartbeat", json={"models": []},
+                     headers={"Authorization": bearer(Role.AGENT, agent="ghost"),
+                              "Prefer": "return=minimal"})
+    assert ghost.status_code == 404 and "register" in ghost.json()["message"]
+
+
+def test_held_long_polls_cost_no_queries_while_nothing_changes(api):
+    """Twenty held long-polls: while they wait the database sees only the re-check (one
+    process-wide look a second), never a query per connection."""
+    for i in range(20):
+        assert api.post("/v1/agents", json=registration(f"n{i}", KEY, {})).status_code == 200
+    digests = {f"n{i}": digest_of(api, poll(api, f"n{i}")) for i in range(20)}
+    seen = Statements(api.app.state.engine)
+    try:
+        waiting = [in_thread(lambda n=n: poll(api, n, after=digests[n], wait=3))
+                   for n in digests]
+        time.sleep(1.0)  # every request has read its agent and computed its state
+        seen.clear()
+        time.sleep(1.5)
+        during = len(seen.log)
+        for join in waiting:
+            response, _ = join()
+            assert response.status_code == 204
+    finally:
+        seen.close()
+    assert during <= 8, f"{during} statements while 20 long-polls waited 1.5 s"
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> KilnSettings:
+    """The cache on, as a large fleet runs it (it is off by default)."""
+    return make_settings(tmp_path, desired_state_cache_s=30)
+
+
+def test_500_held_long_polls_hold_no_thread_each(settings):
+    """500 agents holding long-polls on a real server (uvicorn, as `kiln api` runs it): all
+    held at once by one API process with far fewer threads than requests, and all answered
+    204 when their wait ends."""
+    import asyncio
+    import resource
+    import threading
+
+    import httpx
+    import uvicorn
+
+    from tests.conftest import free_port
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    app = create_app(settings)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url, admin = f"http://127.0.0.1:{port}", {"Authorization": bearer()}
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.started, "the API did not start"
+        names = [f"n{i:03d}" for i in range(500)]
+        with httpx.Client(base_url=url, headers=admin, timeout=30) as http:
+            for i, name in enumerate(names):
+                http.post("/v1/agents", json=registration(
+                    name, KEY, {"g": str(i % 5)})).raise_for_status()
+            digests = {n: http.get(f"/v1/agents/{n}/desired-state").headers["etag"].strip('"')
+                       for n in names}
+
+        async def hold():
+            async with httpx.AsyncClient(base_url=url, headers=admin, timeout=30,
+                                         limits=httpx.Limits(max_connections=600)) as client:
+                tasks = [asyncio.create_task(client.get(
+                    f"/v1/agents/{n}/desired-state", params={"after": digests[n], "wait": 12}))
+                    for n in names]
+                hub, until = app.state.desired_hub, time.monotonic() + 10
+                while hub.waiting() < len(names) and time.monotonic() < until:
+                    await asyncio.sleep(0.1)
+                held, threads = hub.waiting(), threading.active_count()
+                answers = await asyncio.gather(*tasks)
+            return held, threads, answers
+
+        held, threads, answers = asyncio.run(hold())
+    finally:
+        app.state.desired_hub.close()
+        server.should_exit = True
+        thread.join(20)
+    assert held == 500, f"{held} of 500 long-polls held"
+    assert threads < 100, f"{threads} threads while 500 long-polls were held"
+    assert [r.status_code for r in answers] == [204] * 500
