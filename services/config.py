@@ -100,12 +100,12 @@ class KilnSettings(BaseSettings):
     #: them at once either way).
     desired_state_recheck_s: float = Field(1.0, ge=0)
     #: How long the API keeps an agent profile's computed desired models, seconds, when no
-    #: change concerning them arrives (0, the default: compute on every request). Changes it
-    #: sees (its own, and others' through the re-check) drop them at once; an artifact found
-    #: broken and a newer plugin version do not yet, so agents could be handed those for this
-    #: long: turn it on only for fleets whose request rate needs it. Needs the re-check: with
+    #: change concerning them arrives (0: compute on every request). Every change that alters
+    #: them drops them at once: deployments, builds finished, artifacts recorded or found
+    #: broken, plugin versions registered (this API's own at once, others' through the
+    #: re-check); this bounds what nothing reports. Needs the re-check: with
     #: ``desired_state_recheck_s`` 0 nothing is cached.
-    desired_state_cache_s: float = Field(0.0, ge=0)
+    desired_state_cache_s: float = Field(30.0, ge=0)
     #: How often the API's rollout controller looks at active rollouts, seconds (0: never):
     #: it admits the next stage after the soak time, and halts and rolls back a cohort whose
     #: gate failed (a failing report halts at once; this catches the rest).

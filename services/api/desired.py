@@ -9,8 +9,11 @@ A change wakes only the waiters it can concern, and only those recompute their s
 
 - a deployment created, changed or deleted: the waiters whose labels its (new) selector
   matches, and those whose last desired state names it (the old selector's agents);
-- builds that finished (an artifact landed, or a build failed), and artifacts recorded: the
-  waiters whose last desired state names one of those models.
+- builds that finished (an artifact landed, or a build failed), artifacts recorded, and
+  artifacts found broken (or whole again): the waiters whose last desired state names one of
+  those models;
+- a plugin version registered: every waiter that serves a model (rare; which models use the
+  plugin's ops is not known here).
 
 The same changes invalidate the process's ``DesiredStateCache``: the desired models of each
 agent *profile* (labels and keys; see ``fleet.AgentProfile``), computed once for all the agents
@@ -23,14 +26,16 @@ deployments router after its commit). What changes behind its back — a deploym
 through another API replica, a build a worker finished — is found by a cheap periodic
 re-check (``Rechecker``, every ``KILN_DESIRED_STATE_RECHECK_S``): one small query of the
 deployments' generations, one each of the models of jobs finished and of artifacts recorded
-since the last check. It runs
-only while some agent waits or something is cached, on SQLite and PostgreSQL alike. Its cost
+since the last check, one of the broken artifacts (indexed) and one of the plugins' count and
+newest version. It runs only while some agent waits or something is cached, on SQLite and
+PostgreSQL alike. Its cost
 is per API process and per interval, not per agent, and it needs nothing beside the
 database (no LISTEN connection, no pub/sub channel that a worker would also have to publish
 on), which is why it was chosen over PostgreSQL's LISTEN/NOTIFY or Redis pub/sub: a change
-reaches another replica's agents within one interval. What no change event covers (an
-artifact found broken, a newer plugin version, a failed build's backoff ending) is bounded
-by the cache's lifetime, ``KILN_DESIRED_STATE_CACHE_S``, and a failed build's ``retry_at``.
+reaches another replica's agents within one interval. The API's own findings (an artifact
+its cache hit found broken, a plugin uploaded to it) act at once. A failed build's backoff
+ending is bounded by the entry's expiry at its ``retry_at``; anything else by the cache's
+lifetime, ``KILN_DESIRED_STATE_CACHE_S``.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from schemas.agents import DesiredModel, DesiredState
-from services.db.tables import ArtifactRow, CompileJobRow, DeploymentRow, utcnow
+from services.db.repo.artifacts import BROKEN
+from services.db.tables import ArtifactRow, CompileJobRow, DeploymentRow, PluginRow, utcnow
 
 if TYPE_CHECKING:
     from services.api.fleet import AgentProfile
@@ -59,6 +65,8 @@ logger = logging.getLogger(__name__)
 #: How far back each re-check looks for finished jobs before the previous one (a job's
 #: transaction may commit a moment after the finish time it records).
 RECHECK_OVERLAP = timedelta(seconds=5)
+#: The name of the re-check's thread.
+RECHECK_THREAD = "kiln-desired-recheck"
 
 
 @dataclass(eq=False)
@@ -209,6 +217,9 @@ class DesiredStateHub:
         #: re-check), so a change made here is not woken for twice.
         self._generations: dict[str, int] | None = None
         self._finished_seen: set[str] = set()
+        #: Broken artifact id → its model, and the plugins' (count, newest), as last seen.
+        self._broken: dict[str, str] | None = None
+        self._plugins: tuple[int, datetime | None] | None = None
         self.wakes = 0
         self.closing = False
 
@@ -274,6 +285,14 @@ class DesiredStateHub:
         return self._wake(lambda w: w.labels is None or not w.models.isdisjoint(ids),
                           f"{len(ids)} model(s) built")
 
+    def plugins_changed(self) -> int:
+        """A plugin version was registered: an ``exact`` engine built with an older version
+        of it now comes with the build of its successor. Which models use the plugin's ops is
+        not known here, so every profile is computed again and every waiter that serves a
+        model is woken (plugin uploads are rare)."""
+        self.cache.clear()
+        return self._wake(lambda w: w.labels is None or bool(w.models), "a plugin version")
+
     def recheck(self, session: Session, since: datetime) -> None:
         """Compare the deployments' generations with the last seen, and wake for the
         deployments that differ and for the models of jobs finished after ``since``."""
@@ -299,8 +318,23 @@ class DesiredStateHub:
         with self._lock:
             fresh = {row.model_id for row in rows if row.id not in self._finished_seen}
             self._finished_seen = {row.id for row in rows}
+        # Artifacts found broken (by another process's cache hit or a store check) or whole
+        # again: the agents handed them must be told. The set is small and indexed.
+        broken = {row.id: row.model_id for row in session.execute(
+            sa.select(ArtifactRow.id, ArtifactRow.model_id).where(
+                ArtifactRow.state == BROKEN))}
+        plugins = tuple(session.execute(
+            sa.select(sa.func.count(), sa.func.max(PluginRow.created_at))).one())
+        with self._lock:
+            broken_before, self._broken = self._broken, broken
+            plugins_before, self._plugins = self._plugins, plugins
+        if broken_before is not None:
+            fresh |= {broken[a] for a in broken.keys() - broken_before.keys()}
+            fresh |= {broken_before[a] for a in broken_before.keys() - broken.keys()}
         if fresh:
             self.models_changed(fresh)
+        if plugins_before is not None and plugins != plugins_before:
+            self.plugins_changed()
 
 
 class Rechecker:
@@ -316,7 +350,7 @@ class Rechecker:
         self._key: str | None = None
         self.interval_s = interval_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kiln-desired-recheck",
+        self._thread = threading.Thread(target=self._run, name=RECHECK_THREAD,
                                         daemon=True)
         self.checks = itertools.count()
 

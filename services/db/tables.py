@@ -115,7 +115,8 @@ class ArtifactRow(Base):
     p50_ms: Mapped[float] = mapped_column(sa.Float)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
     #: ``ready`` or ``broken`` (the store lost a part of it: never handed out, rebuilt).
-    state: Mapped[str] = mapped_column(sa.String(16), default="ready", server_default="ready")
+    state: Mapped[str] = mapped_column(sa.String(16), default="ready", server_default="ready",
+                                       index=True)
     broken_reason: Mapped[str | None] = mapped_column(sa.Text)
 
 

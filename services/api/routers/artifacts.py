@@ -135,6 +135,7 @@ def download_blob(
     session: SessionDep,
     store: StoreDep,
     settings: SettingsDep,
+    http: Request,
     range_header: str | None = Header(None, alias="Range"),
 ):
     """Streams the blob (HTTP Range supported, for resumable pulls); with an S3 store,
@@ -150,6 +151,7 @@ def download_blob(
     if not store.has_blob(ref):  # a HEAD or a stat: never hand out a dead reference
         usable_artifact(session, store, artifact_id)
         session.commit()
+        http.app.state.desired_hub.models_changed({manifest.model_sha256})
         raise NotFound(
             f"blob {blob!r} of artifact {artifact_id} is missing from the store; the artifact "
             f"is marked broken and a build for its key is queued on the next request for it",

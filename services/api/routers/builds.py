@@ -179,6 +179,7 @@ def complete_build(
     signer: SignerDep,
     principal: WorkerPrincipal,
     job_id: str,
+    http: Request,
 ) -> BuildPublished:
     """Publish a running job's build: check the manifest belongs to the job, re-hash its blobs,
     sign it, record the artifact and the job's success. Repeating the call after it succeeded
@@ -202,6 +203,8 @@ def complete_build(
                            toolchain=published.toolchain, table=published.tuning)
     done = repo.succeed_job(session, job_id=job_id, artifact_id=artifact.id)
     session.commit()
+    # The agents waiting for this engine hear of it now, not at the next re-check.
+    http.app.state.desired_hub.models_changed({job.model_id})
     logger.info("job %s: artifact %s %s (signed by key %s)", job_id, artifact.id,
                 "recorded" if created else "already recorded", signer.signer().key_id)
     return BuildPublished(artifact_id=artifact.id, created=created, job=done)

@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from fastapi import APIRouter, status
+from fastapi import APIRouter, Request, status
 
 from schemas import CompileJob, CompileJobCreate, JobStatus
 from schemas.errors import ErrorBody, InvalidOptions
@@ -41,7 +41,7 @@ router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"])
 @router.post("", response_model=CompileJobBatch, status_code=status.HTTP_202_ACCEPTED)
 def create_compile_jobs(
     request: CompileJobCreate, session: SessionDep, queue: QueueDep, store: StoreDep,
-    _: AdminPrincipal,
+    _: AdminPrincipal, http: Request,
 ) -> CompileJobBatch:
     request = request.model_copy(
         update={"model_id": repo.resolve_id(session, "model", request.model_id)})
@@ -62,17 +62,19 @@ def create_compile_jobs(
             refused=refused, model_format=model.format, keys=takes)
     jobs: list[CompileJob] = []
     to_enqueue: list[CompileJob] = []
+    found_broken = False
     for key in dict.fromkeys(t.fingerprint_key for t in request.targets):  # dedupe, keep order
         cached = repo.find_artifact(
             session, model_id=request.model_id, options_digest=digest, fingerprint_key=key
         )
-        if (cached is not None and repo.plugins_current(session, artifact_id=cached.id)
-                and usable_artifact(session, store, cached.id)):
-            jobs.append(repo.create_cached_job(
-                session, model_id=request.model_id, options=request.options,
-                fingerprint_key=key, artifact_id=cached.id,
-            ))
-            continue
+        if cached is not None and repo.plugins_current(session, artifact_id=cached.id):
+            if usable_artifact(session, store, cached.id):
+                jobs.append(repo.create_cached_job(
+                    session, model_id=request.model_id, options=request.options,
+                    fingerprint_key=key, artifact_id=cached.id,
+                ))
+                continue
+            found_broken = True
         active = repo.find_active_job(
             session, model_id=request.model_id, options_digest=digest, fingerprint_key=key
         )
@@ -87,6 +89,8 @@ def create_compile_jobs(
         jobs.append(job)
         to_enqueue.append(job)
     session.commit()  # the rows exist before any worker can pick a task up
+    if found_broken:  # agents handed that engine must hear of it now
+        http.app.state.desired_hub.models_changed({request.model_id})
     _exit_if_fault_injected(queue.kiln_settings.debug_exit_after_commit_file)
     failure = enqueue_jobs(session, queue, to_enqueue)
     if failure is not None:

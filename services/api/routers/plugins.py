@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, File, Header, Response, UploadFile, status
+from fastapi import APIRouter, File, Header, Request, Response, UploadFile, status
 from starlette.concurrency import run_in_threadpool
 
 from schemas import BlobRef
@@ -26,7 +26,8 @@ BUNDLE_MEDIA_TYPE = "application/x-tar"
              openapi_extra={BODY_LIMIT: "max_upload_bytes"})
 async def push_plugin(
     response: Response, session: SessionDep, store: StoreDep, settings: SettingsDep,
-    _: AdminPrincipal, file: Annotated[UploadFile, File(description="the bundle archive")],
+    _: AdminPrincipal, http: Request,
+    file: Annotated[UploadFile, File(description="the bundle archive")],
 ) -> PluginInfo:
     """Register a bundle built by ``kiln plugin build``. It is validated completely first
     (manifest, confined paths, file digests), in a bounded child; a version is immutable."""
@@ -44,6 +45,8 @@ async def push_plugin(
     session.commit()
     if not created:
         response.status_code = status.HTTP_200_OK
+    else:  # engines built with an older version of it now have a successor to build
+        http.app.state.desired_hub.plugins_changed()
     return info
 
 

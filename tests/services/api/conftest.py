@@ -62,6 +62,10 @@ def bearer(role: Role = Role.ADMIN, *, agent: str | None = None, ttl_s: int = 36
 
 def make_settings(home: Path, **overrides) -> KilnSettings:
     overrides.setdefault("api_docs", True)
+    # These tests set states up behind the API's back (artifacts recorded straight into the
+    # database) and ask for desired state at once; the cache, which hears of such writes
+    # only through the once-a-second re-check, is tested on its own (test_desired_cache).
+    overrides.setdefault("desired_state_cache_s", 0)
     return KilnSettings(home=home, secret_key=SECRET, max_upload_bytes=4 * 1024 * 1024, **overrides)
 
 
