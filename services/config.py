@@ -99,6 +99,10 @@ class KilnSettings(BaseSettings):
     #: the long-polls of the agents concerned (0: never; changes made through this API wake
     #: them at once either way).
     desired_state_recheck_s: float = Field(1.0, ge=0)
+    #: How old the API's copy of the revoked token ids may grow before it reads them again,
+    #: seconds. A token revoked through this API process is refused at once; one revoked
+    #: through another replica within this time (0: look every token up in the database).
+    revocation_refresh_s: float = Field(1.0, ge=0, le=60)
     #: How long the API keeps an agent profile's computed desired models, seconds, when no
     #: change concerning them arrives (0: compute on every request). Every change that alters
     #: them drops them at once: deployments, builds finished, artifacts recorded or found

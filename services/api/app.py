@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
 
 from celery import Celery
 from fastapi import FastAPI
@@ -16,6 +15,7 @@ from services.api.desired import DesiredStateHub, Rechecker
 from services.api.errors import install_error_handlers
 from services.api.gate import FrontDoor
 from services.api.retention import RetentionThread, retention_policy
+from services.api.revocations import RevocationList
 from services.api.rollouts import RolloutController, Rollouts
 from services.api.routers import (
     agents,
@@ -39,7 +39,7 @@ from services.api.sweeper import JobSweeper
 from services.api.ui import browser_paths, install_error_pages
 from services.api.ui import router as ui_router
 from services.config import KilnSettings, get_settings
-from services.db import make_engine, make_session_factory, migrate, repo
+from services.db import make_engine, make_session_factory, migrate
 from services.queue import configure_celery
 from services.signer import OnlineSigner, ensure_keys
 
@@ -55,11 +55,6 @@ def public_paths(app: FastAPI) -> frozenset[str]:
     if app.docs_url and app.swagger_ui_oauth2_redirect_url:
         docs.add(app.swagger_ui_oauth2_redirect_url)
     return PUBLIC_PATHS | {path for path in docs if path}
-
-
-def _revoked(app: FastAPI, jti: str) -> bool:
-    with app.state.session_factory() as session:
-        return repo.token_revoked(session, jti=jti)
 
 
 def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = True) -> FastAPI:
@@ -130,11 +125,13 @@ def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = T
     app.state.desired_hub = DesiredStateHub(
         cache_s=settings.desired_state_cache_s if settings.desired_state_recheck_s > 0 else 0)
     app.state.rollouts = Rollouts(app.state.session_factory, app.state.desired_hub)
+    app.state.revocations = RevocationList(app.state.session_factory,
+                                           refresh_s=settings.revocation_refresh_s)
 
     install_error_handlers(app)
     install_error_pages(app)
     app.add_middleware(FrontDoor, settings=settings, routes=app.router.routes,
-                       public=public_paths(app), revoked=partial(_revoked, app),
+                       public=public_paths(app), revocations=app.state.revocations,
                        browser=browser_paths())
     for module in (health, models, datasets, jobs, artifacts, builds, workers, deployments,
                    agents, fleet, plugins, tuning, tokens, trust, retention, rollouts):

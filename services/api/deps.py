@@ -40,9 +40,8 @@ def get_queue(request: Request) -> Celery:
 
 
 def _token_revoked(request: Request, jti: str) -> bool:
-    """Whether ``jti`` is on the revocation list (a database lookup)."""
-    with request.app.state.session_factory() as session:
-        return repo.token_revoked(session, jti=jti)
+    """Whether ``jti`` is on the revocation list (``services.api.revocations``)."""
+    return request.app.state.revocations.revoked(jti)
 
 
 def get_signer(request: Request) -> OnlineSigner:

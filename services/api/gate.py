@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from schemas.errors import ErrorBody, ErrorCode, KilnError
 from services.api.auth import Principal, Role, decode_token, require_role, revoked_error
+from services.api.revocations import RevocationList
 from services.config import KilnSettings
 
 logger = logging.getLogger(__name__)
@@ -126,18 +127,18 @@ def route_roles(dependant: Dependant) -> tuple[Role, ...] | None:
 
 class FrontDoor:
     """See the module docstring. ``routes`` is the app's route list (read at request time),
-    ``public`` the paths that need no token, ``revoked(jti)`` the revocation lookup,
+    ``public`` the paths that need no token, ``revocations`` the revoked token ids,
     ``browser`` the dashboard's paths (``None``: no dashboard)."""
 
     def __init__(self, app: ASGIApp, *, settings: KilnSettings, routes: list[BaseRoute],
-                 public: Iterable[str], revoked: Callable[[str], bool],
+                 public: Iterable[str], revocations: RevocationList,
                  browser: BrowserPaths | None = None) -> None:
         self.app = app
         self.browser = browser
         self.settings = settings
         self.routes = routes
         self.public = frozenset(public)
-        self.revoked = revoked
+        self.revocations = revocations
         self._policies: list[tuple[RouteContext, _Policy | None]] | None = None
 
     # ------------------------------------------------------------ policy per route
@@ -256,10 +257,13 @@ class FrontDoor:
                                                            "limit": policy.limit_name}))
 
     async def _authenticate(self, authorization: str | None) -> Principal:
-        # The signature and expiry first, on the loop (cheap); only a valid token costs a
-        # database lookup, in a thread.
+        # The signature and expiry first, on the loop (cheap); then the revocation list, on
+        # the loop while this process's copy is fresh, else read again in a thread.
         principal = decode_token(self.settings.secret_key, authorization)
-        if await run_in_threadpool(self.revoked, principal.jti):
+        revoked = self.revocations.known(principal.jti)
+        if revoked is None:
+            revoked = await run_in_threadpool(self.revocations.revoked, principal.jti)
+        if revoked:
             raise revoked_error(principal.jti)
         return principal
 

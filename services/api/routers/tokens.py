@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.api.deps import AdminPrincipal, SessionDep
@@ -30,9 +30,11 @@ class TokenRevoked(BaseModel):
 
 @router.post("/revoked", response_model=TokenRevoked)
 def revoke_token(revocation: TokenRevocation, session: SessionDep,
-                 _: AdminPrincipal) -> TokenRevoked:
-    """Revoke a token by its ``jti``: from now on it answers 401 (``revoked``). Idempotent."""
+                 _: AdminPrincipal, request: Request) -> TokenRevoked:
+    """Revoke a token by its ``jti``: from now on it answers 401 (``revoked``) from this API
+    process, and from other replicas within ``KILN_REVOCATION_REFRESH_S``. Idempotent."""
     created = repo.revoke_token(session, jti=revocation.jti, expires_at=revocation.expires_at,
                                 reason=revocation.reason)
     session.commit()
+    request.app.state.revocations.add(revocation.jti)
     return TokenRevoked(jti=revocation.jti, newly_revoked=created)

@@ -116,6 +116,7 @@ from services.db.repo.rollouts import (
 )
 from services.db.repo.tokens import (
     revoke_token,
+    revoked_jtis,
     token_revoked,
 )
 from services.db.repo.tuning import (
@@ -222,6 +223,7 @@ __all__ = [
     "retry_job",
     "revert_deployment",
     "revoke_token",
+    "revoked_jtis",
     "rollout_reports",
     "save_rollout",
     "schedule_build_retry",

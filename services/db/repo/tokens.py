@@ -34,3 +34,11 @@ def revoke_token(session: Session, *, jti: str, expires_at: int | None = None,
 
 def token_revoked(session: Session, *, jti: str) -> bool:
     return session.get(RevokedTokenRow, jti) is not None
+
+
+def revoked_jtis(session: Session) -> frozenset[str]:
+    """The ids of the revoked tokens that have not expired yet (a short list: a row goes once
+    its token would have expired anyway)."""
+    rows = session.scalars(sa.select(RevokedTokenRow.jti).where(sa.or_(
+        RevokedTokenRow.expires_at.is_(None), RevokedTokenRow.expires_at >= utcnow())))
+    return frozenset(rows)

@@ -342,3 +342,47 @@ def test_a_chunked_body_is_counted_as_it_streams(app):
     (start,) = [m for m in sent if m["type"] == "http.response.start"]
     assert start["status"] == 413
     assert given < len(chunks)  # it stopped reading
+
+
+def test_a_token_revoked_through_another_replica_is_refused_within_the_refresh(tmp_path):
+    """The API keeps the revoked ids as a set it reads again every
+    ``KILN_REVOCATION_REFRESH_S``: requests with a fresh set cost no lookup each, and a
+    revocation written by another process (another replica's route, straight into the shared
+    database here) is refused once the set is read again; with the refresh at 0 at once."""
+    from fastapi.testclient import TestClient
+    from sqlalchemy import event
+
+    token = mint_token(SECRET, role=Role.READER, subject="r", ttl_s=600)
+    jti = jwt.decode(token, SECRET, algorithms=["HS256"], issuer=ISSUER)["jti"]
+    headers = {"Authorization": f"Bearer {token}"}
+    for refresh_s in (0.5, 0):
+        home = tmp_path / f"refresh-{refresh_s}"
+        home.mkdir()
+        settings = make_settings(home, revocation_refresh_s=refresh_s, job_sweep_s=0)
+        with TestClient(create_app(settings), raise_server_exceptions=False) as api:
+            engine = api.app.state.engine
+            lookups: list[str] = []
+
+            def seen(conn, cursor, statement, *_, lookups=lookups) -> None:
+                if "revoked_tokens" in statement:
+                    lookups.append(statement)
+
+            event.listen(engine, "after_cursor_execute", seen)
+            try:
+                started = time.monotonic()
+                for _ in range(20):
+                    assert api.get("/v1/models", headers=headers).status_code == 200
+                took = time.monotonic() - started
+            finally:
+                event.remove(engine, "after_cursor_execute", seen)
+            if refresh_s:  # one read per refresh interval, not one per request
+                assert len(lookups) <= 1 + took / refresh_s, (len(lookups), took)
+            else:
+                assert len(lookups) == 20
+            with session_scope(api.app.state.session_factory) as session:  # behind its back
+                repo.revoke_token(session, jti=jti)
+            deadline = time.monotonic() + refresh_s + 5
+            while (answer := api.get("/v1/models", headers=headers)).status_code == 200:
+                assert refresh_s and time.monotonic() < deadline, "still accepted"
+                time.sleep(0.05)
+            assert answer.status_code == 401 and answer.json()["details"]["reason"] == "revoked"

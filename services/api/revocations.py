@@ -1,0 +1,72 @@
+"""The revoked token ids as one API process sees them: read from the database at most every
+``KILN_REVOCATION_REFRESH_S`` instead of a lookup per request.
+
+Every authenticated request asks whether its token was revoked. A database lookup per request
+cost about 0.8 ms of a heartbeat's 3.7 ms (and a hop to a worker thread). The list of revoked,
+unexpired tokens is short (a row goes once its token would have expired anyway), so the process
+keeps it as a set and reads it again when it is older than ``refresh_s``:
+
+- a revocation made through this process (``POST /v1/tokens/revoked``) is in the set at once;
+- one made through another API replica is refused here within ``refresh_s`` (1 s by default);
+- ``refresh_s`` 0 looks every token up in the database, as before.
+
+``known(jti)`` answers from a fresh set without blocking (the front door calls it on the event
+loop); when the set is stale it answers ``None`` and ``revoked(jti)``, in a worker thread,
+reads the list again (one thread at a time; the others wait for that read).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session
+
+from services.db import repo
+
+logger = logging.getLogger(__name__)
+
+
+class RevocationList:
+    def __init__(self, session_factory: Callable[[], Session], *, refresh_s: float) -> None:
+        self.session_factory = session_factory
+        self.refresh_s = refresh_s
+        self._lock = threading.Lock()
+        self._jtis: frozenset[str] = frozenset()
+        #: Revoked through this process: kept across reads, so that a read that began before
+        #: the revocation committed cannot drop it.
+        self._here: set[str] = set()
+        #: ``time.monotonic()`` of the last read; ``None`` before the first.
+        self._read_at: float | None = None
+        self.reads = 0
+
+    def known(self, jti: str) -> bool | None:
+        """Whether ``jti`` is revoked, from the set when it is fresh; ``None`` otherwise."""
+        read_at = self._read_at
+        if self.refresh_s <= 0 or read_at is None or time.monotonic() - read_at > self.refresh_s:
+            return None
+        return jti in self._jtis or jti in self._here
+
+    def revoked(self, jti: str) -> bool:
+        """Whether ``jti`` is revoked, reading the list again first when it is stale (may
+        block on the database: call it from a worker thread)."""
+        if self.refresh_s <= 0:
+            with self.session_factory() as session:
+                return repo.token_revoked(session, jti=jti)
+        if (answer := self.known(jti)) is not None:
+            return answer
+        with self._lock:
+            if (answer := self.known(jti)) is not None:  # read by another thread meanwhile
+                return answer
+            started = time.monotonic()
+            with self.session_factory() as session:
+                self._jtis = repo.revoked_jtis(session)
+            self._read_at = started
+            self.reads += 1
+        return jti in self._jtis or jti in self._here
+
+    def add(self, jti: str) -> None:
+        """``jti`` was revoked through this process (after its commit)."""
+        self._here.add(jti)
