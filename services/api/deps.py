@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Annotated
 
 from celery import Celery
 from fastapi import Depends, Header, Path, Query, Request
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from artifact_store import ArtifactStore
 from services.api.auth import Principal, Role, authenticate, require_role
@@ -17,25 +18,39 @@ from services.config import KilnSettings
 from services.db import repo
 from services.signer import OnlineSigner
 
+# The dependencies that only read the app's state are ``async def``: FastAPI runs a plain
+# ``def`` dependency in a worker thread, and each such hop costs more than what it does (a
+# heartbeat paid seven of them). Anything that may block (the database) stays in a thread.
 
-def get_app_settings(request: Request) -> KilnSettings:
+
+async def get_app_settings(request: Request) -> KilnSettings:
     return request.app.state.settings
 
 
-def get_session(request: Request) -> Iterator[Session]:
+def _finish(session: Session) -> None:
+    session.rollback()  # whatever a route did not commit explicitly is dropped
+    session.close()
+
+
+async def get_session(request: Request) -> AsyncIterator[Session]:
+    """A session for the request (it takes a connection only when first used, in the route's
+    thread); what the route left uncommitted is rolled back afterwards, in a thread when the
+    session holds a connection."""
     session = request.app.state.session_factory()
     try:
         yield session
     finally:
-        session.rollback()  # whatever a route did not commit explicitly is dropped
-        session.close()
+        if session.in_transaction():
+            await run_in_threadpool(_finish, session)
+        else:
+            session.close()
 
 
-def get_store(request: Request) -> ArtifactStore:
+async def get_store(request: Request) -> ArtifactStore:
     return request.app.state.store
 
 
-def get_queue(request: Request) -> Celery:
+async def get_queue(request: Request) -> Celery:
     return request.app.state.celery
 
 
@@ -44,29 +59,30 @@ def _token_revoked(request: Request, jti: str) -> bool:
     return request.app.state.revocations.revoked(jti)
 
 
-def get_signer(request: Request) -> OnlineSigner:
+async def get_signer(request: Request) -> OnlineSigner:
     return request.app.state.signer
 
 
-def get_principal(
+async def get_principal(
     request: Request,
     settings: Annotated[KilnSettings, Depends(get_app_settings)],
     authorization: Annotated[str | None, Header()] = None,
 ) -> Principal:
     """The caller, as the front door (``services.api.gate``) authenticated it before the body
-    was read; decoded here only for a request that did not pass through it."""
+    was read; decoded here (in a thread: the revocation list may be read) only for a request
+    that did not pass through it."""
     principal = getattr(request.state, PRINCIPAL, None)
     if principal is not None:
         return principal
-    return authenticate(settings.secret_key, authorization,
-                        lambda jti: _token_revoked(request, jti))
+    return await run_in_threadpool(authenticate, settings.secret_key, authorization,
+                                   lambda jti: _token_revoked(request, jti))
 
 
 def _role_check(*roles: Role):
     """A dependency admitting ``roles`` (and admins), marked so that the front door can check
     the role before the body is read."""
 
-    def check(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
+    async def check(principal: Annotated[Principal, Depends(get_principal)]) -> Principal:
         return require_role(principal, *roles)
 
     setattr(check, ROLES_ATTR, roles)
