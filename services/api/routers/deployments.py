@@ -47,6 +47,13 @@ def apply_deployment(
                        "change of an existing deployment (its agents fall back to what it "
                        "served before); create it without a rollout first",
                        deployment=spec.name)
+    if spec.rollout is not None and before is not None and (
+            before.model_id, before.options_digest) == (spec.model_id, spec.options.digest()):
+        # Nothing for a stage to be judged on: the agents it selects would run what they run.
+        raise Conflict(f"deployment {spec.name!r} already serves model {spec.model_id[:16]} "
+                       "with these options: a rollout delivers a new model or new options; "
+                       "send a change of the selector (or labels) without a rollout policy",
+                       deployment=spec.name)
     deployment, created = repo.apply_deployment(session, spec=spec)
     rollout = None
     if before is not None and (before.model_id, before.options_digest) != (

@@ -270,3 +270,16 @@ def test_a_rollout_needs_an_existing_deployment(api, fleet):
         "name": "fresh", "model_id": fleet["new"], "rollout": {"stages": ["100%"]}})
     assert refused.status_code == 409
     assert "does not exist yet" in refused.json()["message"]
+
+
+def test_a_rollout_needs_a_new_model_or_new_options(api, fleet):
+    """A change of the selector alone, with a policy, is refused rather than applied with
+    the policy silently dropped; nothing is changed."""
+    before = api.get("/v1/deployments/svc").json()
+    refused = api.post("/v1/deployments", json={
+        "name": "svc", "model_id": fleet["old"], "selector": {"app": "other"},
+        "rollout": {"stages": [1, "100%"]}})
+    assert refused.status_code == 409, refused.text
+    assert "without a rollout policy" in refused.json()["message"]
+    assert api.get("/v1/deployments/svc").json() == before
+    assert api.get("/v1/rollouts").json() == []
