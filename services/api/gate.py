@@ -22,6 +22,7 @@ set, and a refusal is the dashboard's own answer (a redirect to its login page, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -36,7 +37,14 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from schemas.errors import ErrorBody, ErrorCode, KilnError
-from services.api.auth import Principal, Role, decode_token, require_role, revoked_error
+from services.api.auth import (
+    Principal,
+    Role,
+    check_agent,
+    decode_token,
+    require_role,
+    revoked_error,
+)
 from services.api.revocations import RevocationList
 from services.config import KilnSettings
 
@@ -44,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 #: ``openapi_extra`` key of an upload route: the settings field holding its body limit.
 BODY_LIMIT = "x-kiln-body-limit"
+#: ``openapi_extra`` key naming the path parameter of the agent a route acts for: an agent
+#: token speaks only for the agent it names, checked before the body is read.
+AGENT_PARAM = "x-kiln-agent-param"
 #: The attribute on a dependency callable that marks it as a role check: the roles it admits
 #: besides admin (``None``: any authenticated role).
 ROLES_ATTR = "__kiln_roles__"
@@ -71,6 +82,9 @@ class _Policy:
     setting: int
     #: Bytes allowed on top of it (an upload's multipart framing).
     slack: int = 0
+    #: The path parameter naming the agent the route acts for (``AGENT_PARAM`` in its
+    #: ``openapi_extra``): an agent token for another agent is refused before the body.
+    agent_param: str | None = None
 
     @property
     def limit(self) -> int:
@@ -167,33 +181,44 @@ class FrontDoor:
             logger.warning("route %s %s declares no role check; admitting admins only",
                            sorted(route.methods), route.path)
             roles = ()
-        field = (route.openapi_extra or {}).get(BODY_LIMIT)
+        extra = route.openapi_extra or {}
+        field = extra.get(BODY_LIMIT)
         if field is None:
-            return self._json_policy(roles)
-        return _Policy(roles=roles, limit_name=f"KILN_{field.upper()}",
-                       setting=int(getattr(self.settings, field)), slack=MULTIPART_SLACK)
+            policy = self._json_policy(roles)
+        else:
+            policy = _Policy(roles=roles, limit_name=f"KILN_{field.upper()}",
+                             setting=int(getattr(self.settings, field)), slack=MULTIPART_SLACK)
+        if (agent_param := extra.get(AGENT_PARAM)) is not None:
+            policy = dataclasses.replace(policy, agent_param=agent_param)
+        return policy
 
     def policy(self, scope: Scope) -> _Policy:
+        return self.match(scope)[0]
+
+    def match(self, scope: Scope) -> tuple[_Policy, dict[str, object]]:
         """The policy of the route ``scope`` reaches (a route matching the path but not the
-        method counts: a 405 follows); a path no route has needs a token (404 after)."""
+        method counts: a 405 follows), with its path parameters; a path no route has needs a
+        token (404 after)."""
         if scope["path"] in self.public:
-            return self._json_policy(None)
-        found: _Policy | None = None
+            return self._json_policy(None), {}
+        found: tuple[_Policy | None, dict[str, object]] | None = None
         for context, policy in self._route_policies():
-            match, _ = context.matches(scope)
+            match, child = context.matches(scope)
             if match is Match.FULL:
-                found = policy
+                found = (policy, child.get("path_params", {}))
                 break
             if match is Match.PARTIAL and found is None:
-                found = policy
-        return found if found is not None else self._json_policy(ANY)
+                found = (policy, child.get("path_params", {}))
+        if found is None or found[0] is None:
+            return self._json_policy(ANY), {}
+        return found  # type: ignore[return-value]
 
     # ------------------------------------------------------------ the ASGI call
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        policy = self.policy(scope)
+        policy, path_params = self.match(scope)
         headers = dict(scope.get("headers") or [])
         if policy.roles is not None:
             raw = headers.get(b"authorization")
@@ -207,6 +232,8 @@ class FrontDoor:
                 # Known before the role check, so that a refusal page can say who it refused.
                 scope.setdefault("state", {})[PRINCIPAL] = principal
                 require_role(principal, *policy.roles)
+                if policy.agent_param is not None:  # an agent speaks only for itself
+                    check_agent(principal, str(path_params.get(policy.agent_param, "")))
             except KilnError as exc:
                 if browser is not None:
                     await browser.refuse(scope, exc)(scope, receive, send)

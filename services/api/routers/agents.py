@@ -31,6 +31,7 @@ from services.api.deps import (
 )
 from services.api.desired import DesiredStateHub
 from services.api.fleet import AgentProfile, desired_models, desired_state
+from services.api.gate import AGENT_PARAM
 from services.api.keys import check_claimed_keys
 from services.config import KilnSettings
 from services.db import repo
@@ -70,7 +71,8 @@ def _hub(request: Request) -> DesiredStateHub:
 _MINIMAL = re.compile(r"(^|[,;\s])return\s*=\s*minimal\b", re.IGNORECASE)
 
 
-@router.post("/{name}/heartbeat", response_class=Response, responses={
+@router.post("/{name}/heartbeat", response_class=Response, openapi_extra={AGENT_PARAM: "name"},
+             responses={
     **SIGNED, 204: {"description": "liveness only: the agent sent `Prefer: return=minimal` "
                     "(it follows its desired state by long-poll)"}})
 def heartbeat(
@@ -93,7 +95,8 @@ def heartbeat(
 _DIGEST = r"^[0-9a-f]{64}$"
 
 
-@router.get("/{name}/desired-state", response_class=Response, responses={
+@router.get("/{name}/desired-state", response_class=Response,
+            openapi_extra={AGENT_PARAM: "name"}, responses={
     **SIGNED, 204: {"description": "nothing changed within `wait` seconds: the agent's desired "
                     "state still has the content digest `after`"}})
 async def poll_desired_state(

@@ -386,3 +386,17 @@ def test_a_token_revoked_through_another_replica_is_refused_within_the_refresh(t
                 assert refresh_s and time.monotonic() < deadline, "still accepted"
                 time.sleep(0.05)
             assert answer.status_code == 401 and answer.json()["details"]["reason"] == "revoked"
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/agents/{name}/heartbeat"),
+                                              ("GET", "/v1/agents/{name}/desired-state")])
+def test_an_agent_token_for_another_agent_is_refused_before_the_body(app, method, path):
+    """Which agent a token speaks for is checked with its role, before any of the body is
+    read (``call`` names the agent in the path ``x1``)."""
+    other = _forged({"role": "agent", "sub": "n2", "agent": "n2"})
+    status, document, read = call(app, method, path, other, body=b"{" + b" " * 4096 + b"}")
+    assert status == 403 and not read, (status, document)
+    assert "not 'x1'" in document["message"]
+    own = _forged({"role": "agent", "sub": "x1", "agent": "x1"})
+    status, document, _ = call(app, method, path, own)
+    assert status == 404 and "x1" in document["message"], document  # past the check
