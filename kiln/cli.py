@@ -1123,6 +1123,20 @@ def keys_rotate(
     _print_trust(info, what="rotated")
 
 
+@keys_app.command("rotate-root")
+def keys_rotate_root() -> None:
+    """Replace the root key: a new root key, the next root metadata version naming it,
+    signed by the old root key and the new one. Agents follow it on their next root refresh,
+    with nothing reinstalled; the old key is kept as <root key>.retired-<version> (destroy it
+    once every agent has updated). Keep the new root key offline, as the old one."""
+    from services.config import get_settings
+    from services.signer import rotate_root_key
+
+    settings = get_settings()
+    info = rotate_root_key(settings)
+    _print_trust(info, what="rotated the root key")
+
+
 @keys_app.command("show")
 def keys_show() -> None:
     """The current root metadata: its version, expiry, root key and online key(s)."""

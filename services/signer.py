@@ -171,6 +171,47 @@ def rotate_online_key(settings: KilnSettings, store: ArtifactStore | None) -> Tr
     return trust_info(data)
 
 
+def rotate_root_key(settings: KilnSettings) -> TrustInfo:
+    """Replace the root key itself (TUF's root rotation): a new root key, and root metadata
+    N+1 naming it for the root role and the current online key for the others, signed by the
+    old root key and by the new one. An agent moves to N+1 only when both are met: N's root
+    role (the old key) and N+1's own (the new key), so it follows the rotation on its next
+    root refresh with nothing reinstalled; the root key it was provisioned with stays the
+    anchor of version 1 only. The old root key is kept aside, renamed
+    ``<root key>.retired-<N>``: nothing that has updated trusts it any more; destroy it once
+    every agent has."""
+    trust_dir = Path(settings.trust_dir)
+    current = root_metadata(trust_dir)  # NotFound before `kiln keys init`
+    root_path = Path(settings.root_key_path)
+    old = load_signer(root_path)
+    trusted = TrustedRoot(current)
+    if old.key_id not in trusted.root_key_ids:
+        raise ConfigError(f"the root key {root_path} (key id {old.key_id}) is not the root key "
+                          f"of root metadata version {trusted.version}")
+    online = load_signer(Path(settings.signing_key_path))
+    staged = root_path.with_name(f".{root_path.name}.{time.time_ns()}")
+    new = generate_keypair(staged)
+    retired = root_path.with_name(f"{root_path.name}.retired-{trusted.version}")
+    try:
+        data = new_root_metadata(new, [online.key], version=trusted.version + 1,
+                                 expires_in=timedelta(days=settings.root_expiry_days),
+                                 previous=[old])
+        trusted.update(data)  # what every agent will check: both root roles met
+        os.replace(root_path, retired)
+        os.replace(root_path.with_name(root_path.name + ".pub"),
+                   retired.with_name(retired.name + ".pub"))
+        os.replace(staged.with_name(staged.name + ".pub"),
+                   root_path.with_name(root_path.name + ".pub"))
+        os.replace(staged, root_path)
+        _write_new(trust_dir / f"{trusted.version}.root.json", data)
+    finally:
+        staged.unlink(missing_ok=True)
+        staged.with_name(staged.name + ".pub").unlink(missing_ok=True)
+    logger.info("rotated the root key %s → %s (root metadata version %d); the old key is at "
+                "%s", old.key_id, new.key_id, trusted.version, retired)
+    return trust_info(data)
+
+
 class OnlineSigner:
     """The online key, re-read when its file changes (a rotation needs no restart)."""
 

@@ -23,7 +23,7 @@ from schemas.errors import MetadataRefused, NotFound, SignatureInvalid
 from services.api.app import create_app
 from services.api.auth import Role
 from services.config import KilnSettings
-from services.signer import init_trust, root_metadata, rotate_online_key
+from services.signer import init_trust, root_metadata, rotate_online_key, rotate_root_key
 from tests.artifact_store.conftest import build_manifest
 from tests.services.api.conftest import bearer, make_settings
 from tests.services.api.test_fleet import FP, KEY
@@ -121,6 +121,39 @@ def test_root_metadata_chain_rules(tmp_path: Path) -> None:
         TrustedRoot.bootstrap(root_metadata(tmp_path / "trust", 1), [online.public_pem()])
 
 
+def test_a_root_key_rotation_is_followed_by_agents_provisioned_with_the_old_root(
+        client: TestClient, tmp_path: Path) -> None:
+    """Root N+1 is signed by the old root key and the new one; an agent anchored on the old
+    root public key walks the chain to it, then to an online-key rotation the new root key
+    alone signs; metadata the retired root key signs afterwards is refused."""
+    settings: KilnSettings = client.app.state.settings
+    anchor = (tmp_path / "root.key.pub").read_bytes()
+    agent = TrustedRoot.bootstrap(client.get("/v1/trust/root/1").content, [anchor])
+    old_root = load_signer(tmp_path / "root.key")
+
+    info = rotate_root_key(settings)
+
+    new_root = load_signer(tmp_path / "root.key")
+    assert new_root.key_id != old_root.key_id and info.root_key_id == new_root.key_id
+    assert (tmp_path / "root.key.retired-1").is_file()
+    agent.update(client.get("/v1/trust/root/2").content)
+    assert agent.root_key_ids == [new_root.key_id]
+    rotate_online_key(settings, None)  # signed by the new root key alone
+    agent.update(client.get("/v1/trust/root/3").content)
+    agent.verify_envelope(client.post("/v1/agents", json=AGENT).content,
+                          DESIRED_STATE_PAYLOAD_TYPE, what="desired state")
+    # The retired key no longer moves an agent, nor does the new key without the old one.
+    online = load_signer(tmp_path / "signing.key")
+    with pytest.raises(SignatureInvalid):
+        agent.update(new_root_metadata(old_root, [online.key], version=4,
+                                       expires_in=timedelta(days=1)))
+    fresh = TrustedRoot.bootstrap(client.get("/v1/trust/root/1").content, [anchor])
+    unchained = new_root_metadata(new_root, [online.key], version=2,
+                                  expires_in=timedelta(days=1))
+    with pytest.raises(SignatureInvalid):
+        fresh.update(unchained)
+
+
 def test_kiln_keys_init_rotate_show(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KILN_HOME", str(tmp_path))
     monkeypatch.setenv("KILN_ENV", "dev")
@@ -140,6 +173,11 @@ def test_kiln_keys_init_rotate_show(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         result = runner.invoke(cli, ["keys", "show"])
         assert result.exit_code == 0 and second[:12] in result.output
         assert first[:12] not in result.output
+        root = load_signer(tmp_path / "root.key").key_id
+        result = runner.invoke(cli, ["keys", "rotate-root"])
+        assert result.exit_code == 0, result.output
+        assert "root metadata version 3" in result.output
+        assert load_signer(tmp_path / "root.key").key_id != root
     finally:
         get_settings.cache_clear()
 
