@@ -18,7 +18,7 @@ Faults, round robin until the time budget is spent:
 - ``api commit/enqueue``: the API exits between committing a job and enqueueing it
   (``KILN_DEBUG_EXIT_AFTER_COMMIT_FILE``, a dev-only hook) and is started again.
 
-    .venv/bin/python bench/faults.py [--budget-s 600] [--timeout-s 180] [--faults ...]
+    .venv/bin/python bench/faults.py [--trials 20] [--budget-s 600] [--timeout-s 180] [--faults ...]
 """
 
 from __future__ import annotations
@@ -196,6 +196,9 @@ def main() -> None:
                         help="stop starting trials after this many seconds")
     parser.add_argument("--timeout-s", type=float, default=180,
                         help="a job not terminal this long after its fault counts as lost")
+    parser.add_argument("--trials", type=int, default=None,
+                        help="stop once every fault has had this many trials (the budget "
+                        "still applies)")
     parser.add_argument("--faults", default=",".join(FAULTS),
                         help=f"comma-separated subset of: {', '.join(FAULTS)}")
     args = parser.parse_args()
@@ -216,6 +219,9 @@ def main() -> None:
             started = time.monotonic()
             for fault in itertools.cycle(chosen):
                 if time.monotonic() - started > args.budget_s:
+                    break
+                if args.trials is not None and all(len(r) >= args.trials
+                                                   for r in results.values()):
                     break
                 result = runs[fault]()
                 results[fault].append(result)
@@ -241,7 +247,8 @@ def main() -> None:
             f"{statistics.median(secs):.1f} s [{max(secs):.1f}]",
             str(sorted({a for r in rows for a in r["attempts"]})))
     console.print(table)
-    console.print(f"N per fault is what fit in the budget (asked: ≥ 20); "
+    asked = f"{args.trials} asked" if args.trials else "as many as fit"
+    console.print(f"N per fault: {asked}, within a budget of {args.budget_s:.0f} s; "
                   f"{sum(len(r) for r in results.values())} trials in all.")
 
 
