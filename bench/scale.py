@@ -54,7 +54,7 @@ from tests.services.db.helpers import add_model, manifest
 
 KEY = "ort-cpu-x86-64-v3-ort1.32"
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-REDIS = "redis://127.0.0.1:6379/12"
+REDIS = os.environ.get("KILN_BENCH_REDIS_URL", "redis://127.0.0.1:6379/14")
 HEARTBEAT_S = 30.0
 WAIT_S = 50.0
 

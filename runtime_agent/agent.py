@@ -23,7 +23,10 @@ Three threads besides the inference server:
   retried with backoff. Models no longer desired are unloaded after the swaps.
 
 At start the last persisted desired state is applied from the cache, so a restarted agent
-serves even while the control plane is unreachable.
+serves even while the control plane is unreachable. Which artifact each deployment serves is
+persisted too (``served.json``): restarted in the middle of a change (a rollback, say) whose
+artifact it cannot fetch yet, the agent serves the complete, verified artifact it served before
+(tier ``previous``) rather than nothing, until the desired one loads.
 
 Desired state arrives signed (``runtime_agent.trust``): a state that no trusted key signed,
 that names another agent, rolls back to a lower version, or has expired is refused, and the
@@ -75,6 +78,7 @@ from schemas.errors import (
     ErrorBody,
     ErrorCode,
     FingerprintMismatch,
+    IntegrityError,
     KilnError,
     MetadataRefused,
     SignatureInvalid,
@@ -143,6 +147,8 @@ class Agent:
                               max_json_bytes=settings.max_json_bytes, token=token,
                               readiness=self.readiness, trust=self.trust.status)
         self.cache = ArtifactCache(settings.cache_dir, settings.cache_max_bytes)
+        #: deployment → the artifact it served when the agent last ran (``served.json``).
+        self._served_before = self.cache.load_served()
         self.control = ControlPlane(settings.api_url, settings.token,
                                     timeout_s=settings.request_timeout_s)
         self.registered = threading.Event()
@@ -527,6 +533,8 @@ class Agent:
                     self.cache.unpin(old.artifact_id)
                 logger.info("unloaded %s (artifact %s): no longer desired", name,
                             old.artifact_id if old else None)
+                self._served_before.pop(name, None)
+                self._remember_served()
         with self._lock:
             self._progress = {k: v for k, v in self._progress.items() if k in names}
             self._failures = {k: v for k, v in self._failures.items() if k in targets}
@@ -565,15 +573,56 @@ class Agent:
                 self.cache.pin(artifact_id)  # held while it serves
         except Exception as exc:
             self._failed(name, artifact_id, exc)
+            if isinstance(exc, KilnError) and exc.transient and served is None:
+                self._serve_previous(name, artifact_id)
             return
         old = self.models.put(ServedModel(name, executor, tier=wanted.tier))
         if old is not None:
             self.cache.unpin(old.artifact_id)
+        self._remember_served()
         with self._lock:
             self._failures.pop((name, artifact_id), None)
         self._report(name, ModelState.SERVING)
         logger.info("%s now serves artifact %s (%s)%s", name, artifact_id, wanted.tier,
                     f"; replaced {old.artifact_id}" if old else "")
+
+    def _serve_previous(self, name: str, wanted_id: str) -> None:
+        """Serve, for ``name``, the artifact it served before this agent restarted, while the
+        one it is told to serve cannot be fetched (the control plane is away): a restart in
+        the middle of a change, a rollback included, leaves the node serving a complete,
+        verified engine rather than nothing. The entry must still verify (signature by a
+        trusted key, every blob) and pass the health check; it is served at tier
+        ``previous`` and replaced as soon as the desired artifact loads."""
+        previous = self._served_before.get(name)
+        if previous is None or previous == wanted_id or previous not in self.cache:
+            return
+        try:
+            with self.cache.pinned(previous):
+                if not self.cache.verify(previous, self.trust.verifier()):
+                    raise IntegrityError(f"the cached artifact {previous} no longer verifies")
+                manifest = self.cache.read_manifest(previous)
+                self.check_runnable(manifest)
+                executor = load_executor(self.cache.path(previous), manifest,
+                                         self.load_plugins(manifest))
+                health_check(executor)
+                self.cache.pin(previous)
+        except Exception as exc:  # nothing serves, as before; the desired one is retried
+            logger.warning("%s: not serving artifact %s, served before the restart: %s", name,
+                           previous, exc)
+            return
+        if self.models.put(ServedModel(name, executor, tier="previous")) is not None:
+            self.cache.unpin(previous)  # lost a race with a load of the desired artifact
+            return
+        logger.warning("%s serves artifact %s, the one it served before the restart, until "
+                       "artifact %s can be fetched", name, previous, wanted_id)
+
+    def _remember_served(self) -> None:
+        served = {name: model.artifact_id for name in self.models.names()
+                  if (model := self.models.find(name)) is not None}
+        try:
+            self.cache.save_served(served)
+        except OSError as exc:  # serving goes on; only a restart's fallback is lost
+            logger.warning("could not persist what serves: %s", exc)
 
     def golden_gate(self, executor: Executor, path, wanted: DesiredModel) -> None:
         """Run the artifact's golden check (when it carries one) before the engine serves;

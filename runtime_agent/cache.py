@@ -56,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 INDEX_FILENAME = "index.json"
 STATE_FILENAME = "state.json"
+#: Which artifact each deployment served last (what a restarted agent can serve while the
+#: artifact it is told to serve cannot be fetched).
+SERVED_FILENAME = "served.json"
 #: Unfinished downloads older than this are deleted when the cache opens.
 STAGING_TTL_S = 24 * 3600
 _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -442,6 +445,24 @@ class ArtifactCache:
         tmp = self.root / f".{STATE_FILENAME}.tmp"
         tmp.write_bytes(envelope)
         os.replace(tmp, self.root / STATE_FILENAME)
+
+    def save_served(self, served: dict[str, str]) -> None:
+        """Persist deployment → artifact id of what serves now (replaced atomically)."""
+        _write_json_atomic(self.root / SERVED_FILENAME, {"version": 1, "served": served})
+
+    def load_served(self) -> dict[str, str]:
+        """What ``save_served`` persisted last; empty when nothing (readable) was."""
+        path = self.root / SERVED_FILENAME
+        try:
+            served = json.loads(path.read_text())["served"] if path.exists() else {}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("ignoring the unreadable %s: %s", path, exc)
+            return {}
+        if not isinstance(served, dict):
+            return {}
+        return {name: artifact_id for name, artifact_id in served.items()
+                if isinstance(name, str) and isinstance(artifact_id, str)
+                and _SAFE_ID.match(artifact_id)}
 
     def load_state(self) -> bytes | None:
         """The persisted desired-state envelope, or ``None`` when there is none."""

@@ -106,7 +106,8 @@ class ModelStatus(BaseModel):
     #: The artifact the agent is moving to, when it differs from ``artifact_id``.
     target_artifact_id: str | None = Field(None, max_length=128)
     #: How the serving artifact was resolved for this node (``exact``, ``compatible``,
-    #: ``fallback``).
+    #: ``fallback``), or ``previous``: a restarted agent serving what it served before while
+    #: the desired artifact cannot be fetched.
     tier: str | None = Field(None, max_length=32)
     error: ErrorBody | None = None
     requests: int = 0

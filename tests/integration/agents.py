@@ -18,8 +18,12 @@ from tests.conftest import free_port
 
 
 class AgentProcess:
-    def __init__(self, stack: EmbeddedStack, name: str, labels: str, workdir: Path) -> None:
+    def __init__(self, stack: EmbeddedStack, name: str, labels: str, workdir: Path, *,
+                 api_url: str | None = None) -> None:
         self.stack = stack
+        #: Where the agent finds the control plane: the stack's API unless a test puts
+        #: something between the two (a slow link, say).
+        self.api_url = api_url or stack.api_url
         self.name = name
         self.labels = labels
         self.port = free_port()
@@ -30,7 +34,7 @@ class AgentProcess:
 
     def start(self, *extra: str, env: dict[str, str] | None = None) -> AgentProcess:
         argv = [
-            sys.executable, "-m", "kiln.cli", "agent", "--api", self.stack.api_url,
+            sys.executable, "-m", "kiln.cli", "agent", "--api", self.api_url,
             "--token", self.stack.token, "--name", self.name, "--labels", self.labels,
             "--port", str(self.port), "--cache-dir", str(self.cache_dir),
             "--root-key", str(self.stack.home / "root.key.pub"), *extra,

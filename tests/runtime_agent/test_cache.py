@@ -196,3 +196,20 @@ def test_a_rotated_key_re_signs_the_cached_manifest_without_downloading_blobs(
         with pytest.raises(IntegrityError, match="asked for the manifest of artifact"):
             cache.fetch(artifact_id, source, Verifier([newer.public_pem()]))
         assert len(control_plane.blob_requests) == requests
+
+
+def test_what_serves_is_persisted_and_a_damaged_record_is_ignored(tmp_path: Path) -> None:
+    with ArtifactCache(tmp_path, max_bytes=1 << 20) as cache:
+        assert cache.load_served() == {}
+        cache.save_served({"svc": "a" * 32, "other": "b" * 32})
+    with ArtifactCache(tmp_path, max_bytes=1 << 20) as cache:  # a restarted agent reads it
+        assert cache.load_served() == {"svc": "a" * 32, "other": "b" * 32}
+    record = tmp_path / "served.json"
+    for damaged in (b"{not json", b'{"served": ["svc"]}', b'{"version": 1}'):
+        record.write_bytes(damaged)
+        with ArtifactCache(tmp_path, max_bytes=1 << 20) as cache:
+            assert cache.load_served() == {}
+    # An entry that names no plain artifact id (a path, say) is dropped, the rest kept.
+    record.write_text('{"version": 1, "served": {"svc": "../../etc", "ok": "' + "c" * 32 + '"}}')
+    with ArtifactCache(tmp_path, max_bytes=1 << 20) as cache:
+        assert cache.load_served() == {"ok": "c" * 32}
