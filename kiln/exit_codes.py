@@ -49,6 +49,7 @@ EXIT_CODES: dict[ErrorCode, int] = {
     ErrorCode.WORKER_LOST: 51,
     ErrorCode.CONFIG_ERROR: 52,
     ErrorCode.INTERNAL: 53,
+    ErrorCode.CLAIM_REFUSED: 54,
     ErrorCode.API_UNREACHABLE: 60,
 }
 

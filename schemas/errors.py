@@ -54,6 +54,9 @@ class ErrorCode(StrEnum):
     WORKER_LOST = "worker_lost"
     #: An operator cancelled the job.
     CANCELLED = "cancelled"
+    #: A worker asked for a job it cannot have: another live worker builds it, it was
+    #: cancelled, or it has finished (or just failed past its attempt limit).
+    CLAIM_REFUSED = "claim_refused"
     CONFIG_ERROR = "config_error"
     #: A client could not reach the API (refused, reset, timed out); never sent by the API.
     API_UNREACHABLE = "api_unreachable"
@@ -91,6 +94,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.QUEUE_UNAVAILABLE: 503,
     ErrorCode.WORKER_LOST: 503,
     ErrorCode.CANCELLED: 409,
+    ErrorCode.CLAIM_REFUSED: 409,
     ErrorCode.CONFIG_ERROR: 500,
     ErrorCode.API_UNREACHABLE: 503,
     ErrorCode.INTERNAL: 500,
@@ -274,6 +278,14 @@ class JobCancelled(KilnError):
     """An operator cancelled the job; whoever works on it stops."""
 
     code = ErrorCode.CANCELLED
+
+
+class ClaimRefused(KilnError):
+    """A worker's claim on a job the control plane will not give it: built by another live
+    worker, cancelled, or finished. The details name the job's ``status`` (and its owner);
+    a delivery refused this way builds nothing."""
+
+    code = ErrorCode.CLAIM_REFUSED
 
 
 class ConfigError(KilnError):

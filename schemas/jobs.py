@@ -78,6 +78,8 @@ class CompileJob(BaseModel):
     worker: str | None = None
     #: The worker process (a new id at every start of a worker) that owns a running job.
     worker_instance: str | None = None
+    #: The pool process of that instance that builds it.
+    worker_pid: int | None = None
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None = None

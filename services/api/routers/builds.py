@@ -1,6 +1,26 @@
-"""``/v1/builds``: the routes a compiler worker speaks to publish a build.
+"""``/v1/builds``: the routes a compiler worker speaks. A worker holds no database URL, no
+store credentials, no signing key and no JWT secret: everything it needs of the control plane
+goes through these routes, with a worker token scoped to its fingerprint keys (a job of
+another key is 403).
 
-A worker holds no signing key and no store credentials. It uploads each blob of its candidate
+=======================================  ================================================
+``PUT /v1/builds/workers/{name}``        heartbeat (or shutdown) of a worker instance
+``POST /v1/builds/{job_id}/claim``       claim the job for this worker process; an attempt
+                                         is counted here (over the limit the job fails
+                                         ``worker_lost``); 409 ``claim_refused`` when the
+                                         job cannot be given (a live owner, cancelled,
+                                         finished)
+``POST /v1/builds/{job_id}/release``     give it back to the queue before a retry
+``POST /v1/builds/{job_id}/stage``       report a stage (409 ``cancelled`` stops the build)
+``POST /v1/builds/{job_id}/fail``        fail it with a typed reason
+``POST /v1/builds/{job_id}/cache``       a hit only for an artifact whole in the store
+``GET /v1/builds/{job_id}/model``        the job's model, streamed
+``GET .../datasets/{dataset_id}``        a dataset the job's options name, streamed
+``POST /v1/builds/{job_id}/plugins``     the plugins providing the model's custom ops
+``GET .../plugins/{digest}``             a plugin bundle, streamed
+=======================================  ================================================
+
+Publishing: It uploads each blob of its candidate
 bundle through the API (``PUT /v1/builds/{job_id}/blobs/{name}``, streamed, with the sha256 it
 computed in ``X-Kiln-Sha256``), then asks the control plane to publish
 (``POST /v1/builds/{job_id}/complete``). The control plane then:
@@ -23,23 +43,50 @@ import logging
 import os
 import re
 import tempfile
+from datetime import timedelta
 from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi import Path as PathParam
+from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from artifact_store import ArtifactStore
 from schemas import BlobRef, CompileJob, JobStatus
 from schemas._canonical import canonical_json, sha256_hex
-from schemas.builds import BuildCompletion, BuildPublished
-from schemas.errors import Conflict, ErrorCode, InvalidRequest, KilnError
+from schemas.builds import (
+    BuildClaim,
+    BuildCompletion,
+    BuildPublished,
+    CacheAnswer,
+    CacheQuery,
+    ClaimedJob,
+    JobRelease,
+    JobReleased,
+    PluginQuery,
+    StageReport,
+    WorkerHeartbeat,
+)
+from schemas.errors import (
+    ClaimRefused,
+    Conflict,
+    ErrorBody,
+    ErrorCode,
+    InvalidRequest,
+    KilnError,
+    NotFound,
+    UnknownOperator,
+)
 from schemas.manifest import ArtifactManifest
+from schemas.plugins import PluginInfo
+from schemas.workers import WorkerInfo
 from services.api.auth import Principal, Role, check_worker_key
-from services.api.deps import RoleDep, SessionDep, SignerDep, StoreDep
+from services.api.deps import RoleDep, SessionDep, SettingsDep, SignerDep, StoreDep
 from services.api.gate import BODY_LIMIT
 from services.db import repo
+from services.db.tables import utcnow
+from services.integrity import usable_artifact
 
 logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/builds", tags=["builds"])
@@ -208,3 +255,208 @@ def complete_build(
     logger.info("job %s: artifact %s %s (signed by key %s)", job_id, artifact.id,
                 "recorded" if created else "already recorded", signer.signer().key_id)
     return BuildPublished(artifact_id=artifact.id, created=created, job=done)
+
+
+# ---------------------------------------------------------------- a worker's life
+@router.put("/workers/{name}", response_model=WorkerInfo)
+def worker_heartbeat(
+    beat: WorkerHeartbeat,
+    session: SessionDep,
+    principal: WorkerPrincipal,
+    name: Annotated[str, PathParam(min_length=1, max_length=200)],
+) -> WorkerInfo:
+    """A compiler worker instance is alive and consumes the queues of its fingerprint keys
+    (each of which its token must name), or, with ``stopping``, has shut down. A beat from a
+    new instance under the same name is a restart: the jobs the old one owned are orphaned."""
+    for key in beat.fingerprint_keys:
+        check_worker_key(principal, key)
+    info = repo.heartbeat_worker(
+        session, name=name, fingerprint_keys=beat.fingerprint_keys,
+        fingerprint=beat.fingerprint, portable_keys=beat.portable_keys,
+        model_formats=beat.model_formats, heartbeat_s=beat.heartbeat_s,
+        stopping=beat.stopping, instance=beat.instance)
+    session.commit()
+    return info
+
+
+def _scoped_job(session, principal: Principal, job_id: str, *, lock: bool = False
+                ) -> CompileJob:
+    """The job, when this worker token may act on it (403 otherwise)."""
+    job = (repo.lock_job if lock else repo.get_job)(session, job_id=job_id)
+    check_worker_key(principal, job.fingerprint_key)
+    return job
+
+
+@router.post("/{job_id}/claim", response_model=ClaimedJob,
+             responses={409: {"description": "`claim_refused`: another live worker builds "
+                                             "the job, it was cancelled, or it has finished"}})
+def claim_job(
+    claim: BuildClaim,
+    session: SessionDep,
+    settings: SettingsDep,
+    principal: WorkerPrincipal,
+    job_id: str,
+) -> ClaimedJob:
+    """Claim a job for the calling worker process: it becomes ``running`` under it, with a
+    deadline, and one more attempt is counted (not for ``resume``). A job past
+    ``KILN_MAX_JOB_ATTEMPTS`` fails ``worker_lost`` instead, and the claim is refused (409
+    ``claim_refused``, ``details.status`` ``failed``), as is one a live owner runs (a
+    duplicate delivery), one cancelled and one finished. The owner is judged alive by its
+    heartbeats; for a process of the claimant's own instance the claimant says it is dead
+    (``dead_pid``), since only that machine can tell."""
+    current = _scoped_job(session, principal, job_id, lock=True)
+    _, hard = settings.job_time_limits(current.options.tuning_budget_s)
+    job = repo.start_job(
+        session, job_id=job_id, worker=claim.worker, instance=claim.instance, pid=claim.pid,
+        max_attempts=settings.max_job_attempts, count_attempt=not claim.resume,
+        deadline=utcnow() + timedelta(seconds=hard + settings.job_kill_grace_s),
+        redelivered=claim.redelivered,
+        pid_alive=lambda pid: claim.dead_pid is None or pid != claim.dead_pid)
+    if job is None:
+        after = repo.get_job(session, job_id=job_id)
+        session.commit()  # a job failed past its attempt limit stays failed
+        if after.status.terminal:
+            why = f"it is {after.status.value}"
+        else:
+            why = (f"it runs on {after.worker} (instance {after.worker_instance}, pid "
+                   f"{after.worker_pid}), which is alive")
+        raise ClaimRefused(
+            f"compile job {job_id} cannot be claimed by {claim.worker} (pid {claim.pid}): "
+            f"{why}; this delivery builds nothing", job_id=job_id,
+            status=after.status.value, terminal=after.status.terminal,
+            owner=after.worker, owner_instance=after.worker_instance,
+            owner_pid=after.worker_pid, attempts=after.attempts,
+            error=after.error.model_dump(mode="json") if after.error else None)
+    session.commit()
+    return ClaimedJob(job=job, max_attempts=settings.max_job_attempts)
+
+
+@router.post("/{job_id}/release", response_model=JobReleased)
+def release_job(release: JobRelease, session: SessionDep, principal: WorkerPrincipal,
+                job_id: str) -> JobReleased:
+    """Give a running job back to the queue (``queued``) before its task is retried; only its
+    owner instance may (``released`` false otherwise)."""
+    _scoped_job(session, principal, job_id)
+    released = repo.release_job(session, job_id=job_id, instance=release.instance)
+    session.commit()
+    return JobReleased(released=released)
+
+
+@router.post("/{job_id}/stage", response_model=CompileJob,
+             responses={409: {"description": "`cancelled`: an operator cancelled the job; "
+                                             "the worker stops building"}})
+def report_stage(report: StageReport, session: SessionDep, principal: WorkerPrincipal,
+                 job_id: str) -> CompileJob:
+    """Record the build's stage and progress. A cancelled job answers 409 ``cancelled``; a
+    finished one is left as it is."""
+    _scoped_job(session, principal, job_id)
+    repo.set_job_stage(session, job_id=job_id, stage=report.stage, progress=report.progress)
+    session.commit()
+    return repo.get_job(session, job_id=job_id)
+
+
+@router.post("/{job_id}/fail", response_model=CompileJob)
+def fail_job(error: ErrorBody, session: SessionDep, principal: WorkerPrincipal,
+             job_id: str) -> CompileJob:
+    """Fail the job with a typed reason (a job already failed or cancelled keeps its own;
+    one that succeeded is 409)."""
+    _scoped_job(session, principal, job_id)
+    failed = repo.fail_job(session, job_id=job_id, error=error)
+    session.commit()
+    return failed
+
+
+@router.post("/{job_id}/cache", response_model=CacheAnswer)
+def cache_lookup(query: CacheQuery, http: Request, session: SessionDep, store: StoreDep,
+                 principal: WorkerPrincipal, job_id: str) -> CacheAnswer:
+    """Is there already an artifact for this running job's cache key (model, options digest,
+    fingerprint key, ``toolchain``)? Only one whose manifest and blobs are all in the store is
+    a hit: the job then succeeds as a cache hit. One that lost a part is marked ``broken`` (and
+    its stale manifest removed), and the worker builds it again; a forced rebuild never hits.
+    Otherwise the tuning record of the same key comes back, for the tuner to reuse."""
+    job = _building_job(session, principal, job_id)
+    if not job.force:
+        cached = repo.find_artifact(session, model_id=job.model_id,
+                                    options_digest=job.options_digest,
+                                    fingerprint_key=job.fingerprint_key,
+                                    toolchain=query.toolchain)
+        if cached is not None and usable_artifact(session, store, cached.id):
+            done = repo.succeed_job(session, job_id=job_id, artifact_id=cached.id,
+                                    cache_hit=True)
+            session.commit()
+            http.app.state.desired_hub.models_changed({job.model_id})
+            logger.info("job %s: cache hit, artifact %s", job_id, cached.id)
+            return CacheAnswer(artifact_id=cached.id, job=done)
+        session.commit()  # an artifact found broken stays so
+    tuning = repo.find_tuning(session, model_id=job.model_id, options_digest=job.options_digest,
+                              fingerprint_key=job.fingerprint_key, toolchain=query.toolchain)
+    return CacheAnswer(job=job, tuning=tuning)
+
+
+def _stream(store: ArtifactStore, ref: BlobRef) -> StreamingResponse:
+    return StreamingResponse(store.open_blob(ref), media_type="application/octet-stream",
+                             headers={"Content-Length": str(ref.size),
+                                      "X-Kiln-SHA256": ref.sha256})
+
+
+_BYTES = {200: {"content": {"application/octet-stream": {}}, "description": "the bytes, "
+                "with their sha256 in `X-Kiln-SHA256`"}}
+
+
+@router.get("/{job_id}/model", response_class=StreamingResponse, responses=_BYTES)
+def job_model(session: SessionDep, store: StoreDep, principal: WorkerPrincipal,
+              job_id: str) -> StreamingResponse:
+    """The running job's model as submitted (an ONNX model, a model archive or a ``.pt2``),
+    streamed from the store."""
+    job = _building_job(session, principal, job_id)
+    model = repo.get_model(session, model_id=job.model_id)
+    session.rollback()  # no transaction held open while the bytes stream
+    return _stream(store, BlobRef(name="model", sha256=model.sha256, size=model.size_bytes))
+
+
+@router.get("/{job_id}/datasets/{dataset_id}", response_class=StreamingResponse,
+            responses=_BYTES)
+def job_dataset(session: SessionDep, store: StoreDep, principal: WorkerPrincipal,
+                job_id: str, dataset_id: str) -> StreamingResponse:
+    """A dataset the running job's options name (``samples`` or ``calibration``), streamed."""
+    job = _building_job(session, principal, job_id)
+    named = {job.options.samples, job.options.calibration} - {None}
+    if dataset_id not in named:
+        raise NotFound(f"compile job {job_id} names no dataset {dataset_id}; its options name "
+                       f"{sorted(named) or 'none'}", job_id=job_id, dataset=dataset_id)
+    dataset = repo.get_dataset(session, dataset_id=dataset_id)
+    if dataset is None:
+        raise NotFound(f"dataset {dataset_id} of compile job {job_id} does not exist; push it "
+                       f"with `kiln dataset push FILE.npz`", dataset=dataset_id)
+    session.rollback()
+    return _stream(store, BlobRef(name="dataset", sha256=dataset.id, size=dataset.size_bytes))
+
+
+@router.post("/{job_id}/plugins", response_model=list[PluginInfo])
+def job_plugins(query: PluginQuery, session: SessionDep, principal: WorkerPrincipal,
+                job_id: str) -> list[PluginInfo]:
+    """The newest registered plugin providing each of the model's custom ops, once each; an op
+    that no plugin declares is 422 ``unknown_operator`` naming what is registered."""
+    _building_job(session, principal, job_id)
+    ops = set(query.ops)
+    providers = repo.plugins_for_ops(session, ops=ops)
+    missing = sorted(ops - set(providers))
+    if missing:
+        registered = {p.name: p.ops for p in repo.list_plugins(session)}
+        raise UnknownOperator(
+            f"the model uses {missing}, which no registered plugin provides; registered "
+            f"plugins: {registered or 'none'} (push one with `kiln plugin push`)",
+            missing=missing)
+    return list({p.digest: p for p in providers.values()}.values())
+
+
+@router.get("/{job_id}/plugins/{digest}", response_class=StreamingResponse, responses=_BYTES)
+def job_plugin_bundle(session: SessionDep, store: StoreDep, principal: WorkerPrincipal,
+                      job_id: str, digest: str) -> StreamingResponse:
+    """A registered plugin bundle, by digest, streamed."""
+    _building_job(session, principal, job_id)
+    found = next((p for p in repo.list_plugins(session) if p.digest == digest), None)
+    if found is None:
+        raise NotFound(f"no registered plugin has digest {digest}", digest=digest)
+    session.rollback()
+    return _stream(store, BlobRef(name="plugin", sha256=found.digest, size=found.size_bytes))

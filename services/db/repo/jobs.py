@@ -60,6 +60,7 @@ def _job(row: CompileJobRow) -> CompileJob:
         force=bool(row.force),
         worker=row.worker,
         worker_instance=row.worker_instance,
+        worker_pid=row.worker_pid,
         created_at=row.created_at,
         updated_at=row.updated_at,
         started_at=row.started_at,

@@ -35,6 +35,18 @@ EXCEPTIONS: dict[tuple[str, str], tuple[Role, ...]] = {
     ("POST", "/v1/rollouts/{ref}/reports"): (Role.AGENT,),
     ("PUT", "/v1/builds/{job_id}/blobs/{name}"): (Role.WORKER,),
     ("POST", "/v1/builds/{job_id}/complete"): (Role.WORKER,),
+    # A worker's whole conversation with the control plane: no other role takes part (a GET
+    # here is a job's input, not something every role may read).
+    ("PUT", "/v1/builds/workers/{name}"): (Role.WORKER,),
+    ("POST", "/v1/builds/{job_id}/claim"): (Role.WORKER,),
+    ("POST", "/v1/builds/{job_id}/release"): (Role.WORKER,),
+    ("POST", "/v1/builds/{job_id}/stage"): (Role.WORKER,),
+    ("POST", "/v1/builds/{job_id}/fail"): (Role.WORKER,),
+    ("POST", "/v1/builds/{job_id}/cache"): (Role.WORKER,),
+    ("GET", "/v1/builds/{job_id}/model"): (Role.WORKER,),
+    ("GET", "/v1/builds/{job_id}/datasets/{dataset_id}"): (Role.WORKER,),
+    ("POST", "/v1/builds/{job_id}/plugins"): (Role.WORKER,),
+    ("GET", "/v1/builds/{job_id}/plugins/{digest}"): (Role.WORKER,),
 }
 DOCS = {"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"}
 
