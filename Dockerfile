@@ -1,4 +1,6 @@
 # One image, three roles: the API, a compiler worker and a runtime agent differ by command.
+# KILN_EXTRAS picks what it installs: "api,s3" for the control plane, "worker" for a compiler
+# worker (it reaches the store only through the API: no `s3`), "agent" for an agent.
 FROM python:3.11-slim AS base
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /opt/kiln

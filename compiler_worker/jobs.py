@@ -1,15 +1,19 @@
-"""Running one compile job: the glue between the SQL job row, the pipeline and the store.
+"""Running one compile job: the glue between the control plane's build routes, the pipeline
+and the sandbox.
 
-Plain code, no Celery: the task only calls ``JobRunner.run(job_id)``. The worker signs
-nothing: it uploads a build's blobs through the API and asks the control plane to complete
-the job (``compiler_worker.control``), which re-hashes them, signs and records. Idempotent:
+Plain code, no Celery: the task only calls ``JobRunner.run(job_id)``. The worker holds no
+database URL, no store credentials and no signing key: it claims the job, reports its stages,
+asks the cache, fetches the model, datasets and plugins, uploads a build's blobs and asks the
+control plane to complete the job, all over HTTP (``compiler_worker.control.BuildClient``);
+the control plane re-hashes what it uploaded, signs and records. Idempotent:
 a job already finished is left alone; a second delivery of a job a live worker runs builds
 nothing; a build whose artifact already exists is a cache hit; two deliveries of the same
 task record one artifact.
 
 A job builds in its own work directory, ``<workdir>/job-<id>``. Once the build is done its
 result is written there (``result.json``) and kept until the artifact is published and
-recorded: a publish that fails on an unreachable store or database is retried with backoff
+recorded: a publish that fails on an unreachable API (or its store or database) is retried
+with backoff
 for ``KILN_PUBLISH_RETRY_BUDGET_S``, and a redelivery of the job to this machine resumes the
 publish without building again (no new attempt is counted).
 """
@@ -21,38 +25,31 @@ import logging
 import os
 import shutil
 import time
-from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
 
 from celery.exceptions import SoftTimeLimitExceeded
 
-from artifact_store import ArtifactStore, open_store
 from compiler_worker.config import WorkerSettings
 from compiler_worker.control import BuildClient
 from compiler_worker.pipeline import CompileResult, plan_build
 from compiler_worker.sandbox import Sandbox, limits_from
 from runtime_agent.fingerprint import resolve_fingerprint
-from schemas import BlobRef, HardwareFingerprint, JobStage
-from schemas._canonical import sha256_hex
-from schemas.builds import BuildPublished
+from schemas import HardwareFingerprint, JobStage
+from schemas.builds import BuildClaim, BuildPublished, ClaimedJob
 from schemas.errors import (
     BackendUnavailable,
+    ClaimRefused,
     ErrorBody,
     ErrorCode,
     FingerprintMismatch,
-    IntegrityError,
     InvalidOptions,
     KilnError,
     NotFound,
-    UnknownOperator,
 )
 from schemas.manifest import ArtifactManifest
 from schemas.options import CompileOptions
 from schemas.plugins import PluginRef
-from services.db import make_engine, make_session_factory, repo, session_scope
-from services.db.tables import utcnow
-from services.integrity import usable_artifact
 
 logger = logging.getLogger(__name__)
 
@@ -61,26 +58,19 @@ logger = logging.getLogger(__name__)
 RESULT_FILE = "result.json"
 #: Longest pause between two publish attempts, seconds.
 PUBLISH_BACKOFF_MAX_S = 30.0
+#: Tries of a stage report before a transient failure ends the attempt (0.5, 1, 2 s apart).
+STAGE_TRIES = 4
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Failures another try may fix: the database, the store or the broker unreachable.
-    Deterministic failures (a bad model, failed verification) are not."""
-    from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
-    from sqlalchemy.exc import TimeoutError as PoolTimeout
-
+    """Failures another try may fix: the API unreachable (``api_unreachable``), a retryable
+    answer from it (500, 502, 503, 504, ...: its database or store away), the broker
+    unreachable. Deterministic failures (a bad model, failed verification, a 4xx) are not."""
     if isinstance(exc, KilnError):
         return exc.transient
-    if isinstance(exc, OperationalError | InterfaceError | PoolTimeout | ConnectionError):
-        return True
-    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
-        return True
-    try:
-        import botocore.exceptions as boto
-    except ImportError:
-        return False
-    return isinstance(exc, boto.EndpointConnectionError | boto.ConnectionClosedError
-                      | boto.ReadTimeoutError | boto.ConnectTimeoutError)
+    import httpx
+
+    return isinstance(exc, ConnectionError | TimeoutError | httpx.TransportError)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -103,21 +93,18 @@ class PublishAbandoned(KilnError):
 
 
 class JobRunner:
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, settings: WorkerSettings, *, builds: BuildClient | None = None) -> None:
         self.settings = settings
-        self.engine = make_engine(settings.database_url)
-        self.sessions = make_session_factory(self.engine)
         #: Parsing, plugin code and building run in bounded children, never in this process.
-        self.sandbox = Sandbox(limits_from(settings), secrets=[settings.signing_key_path])
-
-    @cached_property
-    def store(self) -> ArtifactStore:
-        s = self.settings
-        return open_store(s.store_uri, s3_endpoint_url=s.s3_endpoint_url, s3_region=s.s3_region)
+        self.sandbox = Sandbox(limits_from(settings))
+        #: The last stage reported per job (named when a job runs past its time limit).
+        self._last_stage: dict[str, str] = {}
+        if builds is not None:
+            self.builds = builds
 
     @cached_property
     def builds(self) -> BuildClient:
-        """The control plane's build routes: where this worker publishes what it built."""
+        """The control plane's build routes: this worker's only way to the control plane."""
         s = self.settings
         return BuildClient(s.worker_api_url, s.worker_token)
 
@@ -131,28 +118,22 @@ class JobRunner:
 
     def run(self, job_id: str, *, redelivered: bool = False) -> None:
         """Claim the job and build it, or resume publishing a build kept from an earlier
-        delivery. A transient failure (database, store or broker away) is raised for the
+        delivery. A transient failure (the API or the broker away, a 5xx) is raised for the
         task to retry while attempts remain; anything else fails the job with its reason."""
         workdir = self.job_dir(job_id)
         resume = (workdir / RESULT_FILE).is_file()
         s = self.settings
-        with session_scope(self.sessions) as session:
-            options = repo.get_job(session, job_id=job_id).options
-            _, hard = s.job_time_limits(options.tuning_budget_s)
-            job = repo.start_job(
-                session, job_id=job_id, worker=s.worker_name, instance=s.instance,
-                pid=os.getpid(), max_attempts=s.max_job_attempts, count_attempt=not resume,
-                deadline=utcnow() + timedelta(seconds=hard + s.job_kill_grace_s),
-                redelivered=redelivered, pid_alive=_pid_alive)
-            current = repo.get_job(session, job_id=job_id)
-        if job is None:
-            if current.status.terminal:  # finished, or failed over the attempt limit
+        try:
+            claimed = self._claim(job_id, resume=resume, redelivered=redelivered)
+        except ClaimRefused as exc:
+            if exc.details.get("terminal"):  # finished, or failed over the attempt limit
                 shutil.rmtree(workdir, ignore_errors=True)
-                logger.info("job %s is %s; nothing to do", job_id, current.status.value)
+                logger.info("job %s is %s; nothing to do", job_id, exc.details.get("status"))
             else:
                 logger.info("job %s runs on %s; this delivery builds nothing", job_id,
-                            current.worker)
+                            exc.details.get("owner"))
             return
+        job, max_attempts = claimed.job, claimed.max_attempts
         logger.info("job %s: attempt %d on %s%s", job_id, job.attempts, job.fingerprint_key,
                     " (resuming the publish of a kept build)" if resume else "")
         try:
@@ -170,7 +151,7 @@ class JobRunner:
             shutil.rmtree(workdir, ignore_errors=True)
         except Exception as exc:
             if is_transient(exc):
-                if job.attempts < s.max_job_attempts:
+                if job.attempts < max_attempts:
                     raise  # the task retries; kept outputs stay for the publish
                 self.fail(job_id, ErrorBody(
                     code=getattr(exc, "code", ErrorCode.STORE_ERROR),
@@ -186,21 +167,34 @@ class JobRunner:
                 ))
             shutil.rmtree(workdir, ignore_errors=True)
 
+    def _claim(self, job_id: str, *, resume: bool, redelivered: bool) -> ClaimedJob:
+        """Claim the job for this process. A refusal because a process of this same instance
+        owns it, and that process is dead (a pool child killed mid-build), is answered by
+        claiming again naming the dead pid: only this machine can tell."""
+        s = self.settings
+        claim = BuildClaim(worker=s.worker_name, instance=s.instance, pid=os.getpid(),
+                           redelivered=redelivered, resume=resume)
+        try:
+            return self.builds.claim(job_id, claim)
+        except ClaimRefused as exc:
+            owner_pid = exc.details.get("owner_pid")
+            if (exc.details.get("terminal") or exc.details.get("owner_instance") != s.instance
+                    or not isinstance(owner_pid, int) or _pid_alive(owner_pid)):
+                raise
+            logger.warning("job %s: its owner, process %d of this worker, is gone; taking it "
+                           "over", job_id, owner_pid)
+            return self.builds.claim(job_id, claim.model_copy(update={"dead_pid": owner_pid}))
+
     def release(self, job_id: str) -> None:
         """Give the job back to the queue before its task is retried (best effort: with the
-        database away, the retry takes the job over as a redelivery)."""
+        API away, the retry takes the job over as a redelivery)."""
         try:
-            with session_scope(self.sessions) as session:
-                repo.release_job(session, job_id=job_id, instance=self.settings.instance)
+            self.builds.release(job_id, self.settings.instance)
         except Exception as exc:
             logger.warning("job %s: could not release it before the retry: %s", job_id, exc)
 
     def _current_stage(self, job_id: str) -> str:
-        try:
-            with session_scope(self.sessions) as session:
-                return repo.get_job(session, job_id=job_id).stage.value
-        except Exception:
-            return "unknown"
+        return self._last_stage.get(job_id, "unknown")
 
     def _run(self, job_id: str, model_id: str, options: CompileOptions,
              fingerprint_key: str, workdir: Path, resume: bool, *, force: bool = False) -> None:
@@ -222,14 +216,14 @@ class JobRunner:
     def _build(self, job_id: str, model_id: str, options: CompileOptions,
                fingerprint_key: str, workdir: Path, *, force: bool = False
                ) -> CompileResult | None:
-        """Build into ``workdir`` and keep the result there; ``None`` on a cache hit."""
-        with session_scope(self.sessions) as session:
-            blob_key = repo.get_model_blob_key(session, model_id=model_id)
+        """Build into ``workdir`` and keep the result there; ``None`` on a cache hit (the
+        control plane finished the job with the artifact it has)."""
         shutil.rmtree(workdir, ignore_errors=True)  # a build interrupted before its result
         workdir.mkdir(parents=True)
         self._stage(job_id, JobStage.LOADING, 0.02)
-        model_bytes = self.store.get_bytes(blob_key)
-        plugins = self._plugins(model_bytes, workdir)
+        model_bytes = self.builds.model(job_id, model_id, workdir / "model.download").read_bytes()
+        (workdir / "model.download").unlink()
+        plugins = self._plugins(job_id, model_bytes, workdir)
         try:
             plan = plan_build(model_id, options, self.fingerprint, key=fingerprint_key,
                               plugins=[ref for ref, _ in plugins])
@@ -239,28 +233,17 @@ class JobRunner:
                 f"build ({exc.message}); it was routed to the wrong queue",
                 expected=fingerprint_key,
             ) from exc
-        with session_scope(self.sessions) as session:
-            cached = repo.find_artifact(
-                session, model_id=model_id, options_digest=options.digest(),
-                fingerprint_key=plan.fingerprint_key, toolchain=plan.toolchain,
-            )
-            if (cached is not None and not force
-                    and usable_artifact(session, self.store, cached.id)):
-                repo.succeed_job(session, job_id=job_id, artifact_id=cached.id,
-                                 cache_hit=True)
-                logger.info("job %s: cache hit, artifact %s", job_id, cached.id)
-                return None
-            reuse = repo.find_tuning(
-                session, model_id=model_id, options_digest=options.digest(),
-                fingerprint_key=plan.fingerprint_key, toolchain=plan.toolchain,
-            )
-        samples = self._dataset(options.samples)
-        calibration = self._dataset(options.calibration)
+        cache = self.builds.cache(job_id, plan.toolchain)
+        if cache.hit:
+            logger.info("job %s: cache hit, artifact %s", job_id, cache.artifact_id)
+            return None
+        samples = self._dataset(job_id, options.samples, workdir)
+        calibration = self._dataset(job_id, options.calibration, workdir)
         result = self.sandbox.compile_model(
             model_bytes, options, fingerprint=self.fingerprint, workdir=workdir,
             on_stage=lambda stage, progress: self._stage(job_id, stage, progress),
             plugins=plugins, plan=plan, samples=samples, calibration=calibration,
-            reuse=reuse,
+            reuse=None if force else cache.tuning,
         )
         self._keep_result(workdir, result)
         return result
@@ -319,43 +302,32 @@ class JobRunner:
                 time.sleep(delay)
                 delay = min(delay * 2, PUBLISH_BACKOFF_MAX_S)
 
-    def _dataset(self, dataset_id: str | None) -> bytes | None:
-        """The ``.npz`` bytes of an uploaded dataset, fetched from the store and checked
+    def _dataset(self, job_id: str, dataset_id: str | None, workdir: Path) -> bytes | None:
+        """The ``.npz`` bytes of a dataset the job names, fetched through the API and checked
         against its id (the build's child parses them)."""
         if dataset_id is None:
             return None
+        dest = workdir / f"dataset-{dataset_id[:16]}.download"
         try:
-            with session_scope(self.sessions) as session:
-                blob_key = repo.get_dataset_blob_key(session, dataset_id=dataset_id)
+            data = self.builds.dataset(job_id, dataset_id, dest).read_bytes()
         except NotFound as exc:
             raise InvalidOptions(f"dataset {dataset_id} does not exist; push it with "
                                  f"`kiln dataset push FILE.npz`", dataset=dataset_id) from exc
-        data = self.store.get_bytes(blob_key)
-        if sha256_hex(data) != dataset_id:
-            raise IntegrityError(f"dataset {dataset_id} in the store has sha256 "
-                                 f"{sha256_hex(data)}", dataset=dataset_id)
+        dest.unlink()
         return data
 
-    def _plugins(self, model_bytes: bytes, workdir: Path) -> list[tuple[PluginRef, Path]]:
+    def _plugins(self, job_id: str, model_bytes: bytes, workdir: Path
+                 ) -> list[tuple[PluginRef, Path]]:
         """The registered plugins providing the model's custom ops, fetched and verified.
-        An op that no plugin declares fails the job here, naming what is registered."""
+        An op that no plugin declares fails the job (``unknown_operator`` from the API,
+        naming what is registered)."""
         ops = self.sandbox.custom_ops(model_bytes, workdir)
         if not ops:
             return []
-        with session_scope(self.sessions) as session:
-            providers = repo.plugins_for_ops(session, ops=ops)
-            registered = {p.name: p.ops for p in repo.list_plugins(session)}
-        missing = sorted(ops - set(providers))
-        if missing:
-            raise UnknownOperator(
-                f"the model uses {missing}, which no registered plugin provides; registered "
-                f"plugins: {registered or 'none'} (push one with `kiln plugin push`)",
-                missing=missing,
-            )
         fetched = []
-        for info in {p.digest: p for p in providers.values()}.values():
-            blob = BlobRef(name="plugin", sha256=info.digest, size=info.size_bytes)
-            path = self.store.get_blob(blob, workdir / f"plugin-{info.digest[:16]}.tar")
+        for info in self.builds.plugins(job_id, ops):
+            path = self.builds.plugin_bundle(job_id, info,
+                                             workdir / f"plugin-{info.digest[:16]}.tar")
             fetched.append((PluginRef(name=info.name, version=info.version,
                                       digest=info.digest), path))
         return fetched
@@ -370,10 +342,23 @@ class JobRunner:
         return self.builds.complete(job_id, result.manifest, replace=replace)
 
     def _stage(self, job_id: str, stage: JobStage, progress: float) -> None:
-        with session_scope(self.sessions) as session:
-            repo.set_job_stage(session, job_id=job_id, stage=stage, progress=progress)
+        """Report a stage; ``JobCancelled`` once an operator cancelled the job (it ends the
+        build). A transient failure to report is retried with the publish's backoff, up to
+        a few seconds, then raised."""
+        self._last_stage[job_id] = JobStage(stage).value
+        delay = 0.5
+        for attempt in range(STAGE_TRIES):
+            try:
+                self.builds.stage(job_id, stage, progress)
+                return
+            except Exception as exc:
+                if not is_transient(exc) or attempt == STAGE_TRIES - 1:
+                    raise
+                logger.warning("job %s: reporting stage %s failed (%s); retrying in %.1f s",
+                               job_id, JobStage(stage).value, exc, delay)
+                time.sleep(delay)
+                delay *= 2
 
     def fail(self, job_id: str, error: ErrorBody) -> None:
         logger.warning("job %s failed: %s: %s", job_id, error.code, error.message)
-        with session_scope(self.sessions) as session:
-            repo.fail_job(session, job_id=job_id, error=error)
+        self.builds.fail(job_id, error)

@@ -2,11 +2,11 @@
 
 Everything derived from a user's upload runs in the child: parsing the model (which custom
 ops it needs), loading the datasets, importing plugin code, building, verifying and
-benchmarking the candidates (``compile_model``). The worker process — which holds the
-database URL, the store credentials and the signing key — only fetches inputs into the job's
-scratch folder, hands the child a JSON request, and checks what comes back: a manifest that
-must describe the planned artifact, and blob files that must be regular files inside the
-scratch folder (the store re-hashes them as it uploads).
+benchmarking the candidates (``compile_model``). The worker process — which holds its worker
+token, and no database URL, store credential or signing key — only fetches inputs into the
+job's scratch folder, hands the child a JSON request, and checks what comes back: a manifest
+that must describe the planned artifact, and blob files that must be regular files inside the
+scratch folder (the control plane re-hashes them as they are uploaded).
 
 One child per step: ``custom_ops`` (imports onnx only) and ``compile_model`` (one child for
 the whole tuning run, not one per candidate). A child that breaches a limit fails the job

@@ -32,7 +32,7 @@ def compile_job(self: Task, job_id: str) -> None:
     runner = get_runner()
     try:
         # A retry of this task may find the job still ``running`` under this worker (the
-        # database was away when it was released): it takes the job over.
+        # API was away when it was released): it takes the job over.
         runner.run(job_id, redelivered=self.request.retries > 0)
     except Exception as exc:
         if not is_transient(exc):

@@ -1,6 +1,7 @@
 """Starting a compiler worker: work out this machine's fingerprint keys, consume only their
-queues, keep a heartbeat row in SQL so the control plane knows which hardware is served, and
-answer ``/healthz`` and ``/readyz`` on ``KILN_WORKER_HEALTH_PORT`` when it is set.
+queues, heartbeat through the API (``PUT /v1/builds/workers/{name}``) so the control plane
+knows which hardware is served, and answer ``/healthz`` and ``/readyz`` (the broker and the
+API) on ``KILN_WORKER_HEALTH_PORT`` when it is set.
 
 A worker's identity is its name plus an instance id drawn at every start
 (``WorkerSettings.instance``): the heartbeat carries both, and so does every job it claims.
@@ -21,8 +22,8 @@ from compiler_worker.backends.base import PIPELINE_MODEL_FORMATS
 from compiler_worker.config import WorkerSettings, get_worker_settings
 from compiler_worker.jobs import JobRunner
 from schemas import HardwareFingerprint
-from services.db import repo, session_scope
-from services.health import broker_probe, database_probe, readiness
+from schemas.builds import WorkerHeartbeat
+from services.health import broker_probe, readiness
 from services.queue import celery_app, configure_celery, queue_for
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,11 @@ def portable_keys(fingerprint: HardwareFingerprint) -> dict[str, str]:
     return keys
 
 
+#: Seconds before a failed heartbeat is tried again (at most the heartbeat interval): one
+#: lost beat must not count as a missed one.
+HEARTBEAT_RETRY_S = 1.0
+
+
 class Heartbeat:
     def __init__(self, runner: JobRunner, keys: list[str]) -> None:
         self.runner = runner
@@ -65,50 +71,60 @@ class Heartbeat:
         self.formats = model_formats(runner.fingerprint)
         self.interval_s = runner.settings.worker_heartbeat_s
         self._stop = threading.Event()
+        self._first_wait = self.interval_s
         self._thread = threading.Thread(target=self._loop, name="kiln-heartbeat", daemon=True)
 
     def beat(self, *, stopping: bool = False) -> None:
-        with session_scope(self.runner.sessions) as session:
-            repo.heartbeat_worker(
-                session, name=self.runner.settings.worker_name, fingerprint_keys=self.keys,
-                fingerprint=self.runner.fingerprint, portable_keys=self.portable,
-                model_formats=self.formats,
-                heartbeat_s=self.interval_s, stopping=stopping,
-                instance=self.runner.settings.instance,
-            )
+        settings = self.runner.settings
+        self.runner.builds.heartbeat(settings.worker_name, WorkerHeartbeat(
+            instance=settings.instance, fingerprint_keys=self.keys,
+            fingerprint=self.runner.fingerprint, portable_keys=self.portable,
+            model_formats=self.formats, heartbeat_s=self.interval_s, stopping=stopping))
 
     def start(self) -> None:
-        self.beat()
+        """Beat now and then every ``interval_s``. A first beat that fails (the API not up
+        yet) is retried by the loop within ``HEARTBEAT_RETRY_S``, as any failed beat is."""
+        try:
+            self.beat()
+            self._first_wait = self.interval_s
+        except Exception as exc:
+            self._first_wait = min(HEARTBEAT_RETRY_S, self.interval_s)
+            logger.warning("heartbeat failed (%s: %s); retrying in %gs", type(exc).__name__,
+                           exc, self._first_wait)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         try:
             self.beat(stopping=True)
-        except Exception:  # shutting down: the row simply ages out
-            logger.warning("could not record the worker's shutdown", exc_info=True)
+        except Exception as exc:  # shutting down: the row simply ages out
+            logger.warning("could not record the worker's shutdown: %s", exc)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        """Beat every ``interval_s``; a failed beat is tried again after
+        ``HEARTBEAT_RETRY_S`` (or the interval, if shorter), not a whole interval later."""
+        wait = self._first_wait
+        while not self._stop.wait(wait):
             try:
                 self.beat()
-            except Exception:
-                logger.warning("heartbeat failed; retrying in %ss", self.interval_s,
-                               exc_info=True)
+                wait = self.interval_s
+            except Exception as exc:
+                wait = min(HEARTBEAT_RETRY_S, self.interval_s)
+                logger.warning("heartbeat failed (%s: %s); retrying in %gs",
+                               type(exc).__name__, exc, wait)
 
 
 class HealthServer:
-    """``GET /healthz`` (the worker process answers) and ``GET /readyz`` (its broker,
-    database and store answer, each with its latency; 503 naming what is down), served by a
-    thread of the worker's main process. A plain HTTP server: the worker runs no web
-    framework, and these two routes need none."""
+    """``GET /healthz`` (the worker process answers) and ``GET /readyz`` (its broker and the
+    API answer, each with its latency; 503 naming what is down), served by a thread of the
+    worker's main process. A plain HTTP server: the worker runs no web framework, and these
+    two routes need none. The worker reaches no database and no store: the API does."""
 
     def __init__(self, runner: JobRunner, host: str, port: int) -> None:
         settings = runner.settings
         identity = {"worker": settings.worker_name, "instance": settings.instance}
-        probes = {"database": database_probe(runner.sessions),
-                  "broker": broker_probe(settings),
-                  "store": lambda: runner.store.ping()}
+        probes = {"broker": broker_probe(settings),
+                  "api": lambda: runner.builds.ping()}
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:

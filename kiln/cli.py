@@ -165,9 +165,10 @@ def worker(
     settings = get_worker_settings()
     _logging(settings.log_level)
     _start_up(settings, "worker", production=settings.env != "dev")
-    from services.preflight import preflight
+    settings.check_no_secrets(os.environ)
+    from services.preflight import check_broker
 
-    preflight(settings)  # the broker and the store; a worker holds no signing key
+    check_broker(settings)  # the broker answers; the worker reaches the rest through the API
     from compiler_worker.worker import run_worker
 
     run_worker(concurrency=concurrency, pool=pool, settings=settings)
@@ -178,7 +179,7 @@ def _start_up(settings, component: str, *, production: bool) -> None:
     (production, control plane), then log the effective configuration, secrets redacted."""
     from kiln.settings import start_up
 
-    if hasattr(settings, "check_explicit"):  # the control plane's settings (api, worker)
+    if hasattr(settings, "check_explicit"):  # the api's and the worker's settings
         settings.check_explicit()
     start_up(settings, component, os.environ, logging.getLogger(f"kiln.{component}"),
              production=production)

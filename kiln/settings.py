@@ -65,26 +65,19 @@ def settings_classes() -> dict[str, type[BaseSettings]]:
 
 @dataclass(frozen=True)
 class Variable:
-    """One field of one settings class, as the environment names it."""
+    """One variable, as the environment names it, and the components that read it."""
 
     name: str
     component: str
     field: str
     default: str
     doc: str
+    #: Every component whose settings read it (the first is ``component``).
+    readers: tuple[str, ...] = ()
 
 
 def _prefix(cls: type[BaseSettings]) -> str:
     return str(cls.model_config.get("env_prefix", "")).upper()
-
-
-def _own_fields(cls: type[BaseSettings]) -> list[str]:
-    """The fields ``cls`` adds: a subclass (the worker's) lists only its own."""
-    inherited: set[str] = set()
-    for base in cls.__mro__[1:]:
-        if isinstance(base, type) and issubclass(base, BaseSettings) and base is not BaseSettings:
-            inherited |= set(base.model_fields)
-    return [name for name in cls.model_fields if name not in inherited]
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -124,18 +117,34 @@ def _default_text(cls: type[BaseSettings], field: str) -> str:
 
 
 def variables() -> list[Variable]:
-    """Every variable every settings class reads, by component, in declaration order."""
-    rows = []
+    """Every variable the settings classes read, once each, in the order the components and
+    their fields are declared, with every component that reads it (the control plane and the
+    workers share some: ``services.config.SharedSettings``)."""
+    found: dict[tuple[str, type], Variable] = {}
     for component, cls in settings_classes().items():
         docs: dict[str, str] = {}
         for klass in reversed(cls.__mro__):
             if isinstance(klass, type) and issubclass(klass, BaseSettings):
                 docs.update(_field_docs(klass))
-        for field in _own_fields(cls):
-            rows.append(Variable(name=f"{_prefix(cls)}{field.upper()}", component=component,
-                                 field=field, default=_default_text(cls, field),
-                                 doc=docs.get(field, "")))
-    return rows
+        for field in cls.model_fields:
+            name = f"{_prefix(cls)}{field.upper()}"
+            key = (name, _declared_in(cls, field))
+            if key in found:  # a field of a shared base class: one row, several readers
+                seen = found[key]
+                found[key] = Variable(**{**vars(seen), "readers": (*seen.readers, component)})
+                continue
+            found[key] = Variable(name=name, component=component, field=field,
+                                  default=_default_text(cls, field), doc=docs.get(field, ""),
+                                  readers=(component,))
+    return list(found.values())
+
+
+def _declared_in(cls: type, field: str) -> type:
+    """The class of ``cls``' hierarchy whose body declares ``field``."""
+    for klass in cls.__mro__:
+        if field in inspect.get_annotations(klass):
+            return klass
+    return cls
 
 
 def known_names() -> set[str]:
@@ -250,7 +259,7 @@ def markdown_table() -> str:
     """The README's table of every variable, generated from the settings classes."""
     lines = ["| variable | read by | default | meaning |", "|---|---|---|---|"]
     for v in variables():
-        readers = "api, worker" if v.component == "api" else v.component  # the worker's base
+        readers = ", ".join(v.readers)
         doc = v.doc.replace("``", "`").replace("|", "\\|")
         default = v.default if v.default in _PROSE_DEFAULTS else f"`{v.default}`"
         lines.append(f"| `{v.name}` | {readers} | {default} | {doc} |")

@@ -110,10 +110,16 @@ class EmbeddedStack:
                         env, log_dir / "agent.log")
 
     def worker_env(self) -> dict[str, str]:
-        """A worker's environment: the stack's, less the JWT secret and the signing key, plus
-        the API's URL and the worker token it publishes with."""
+        """A worker's environment: the stack's, less every ``KILN_*`` variable a worker does
+        not read (the JWT secret, the signing key, the database URL, the store and its
+        endpoint) and every store credential (``AWS_*``), plus the API's URL and the worker
+        token: a worker reaches the control plane only over HTTP."""
+        from kiln.settings import variables
+
+        readable = {v.name for v in variables() if "worker" in v.readers}
         env = {k: v for k, v in self._env.items()
-               if k not in ("KILN_SECRET_KEY", "KILN_SIGNING_KEY_PATH")}
+               if not k.upper().startswith("AWS_")
+               and (not k.upper().startswith("KILN_") or k.upper() in readable)}
         env["KILN_WORKER_API_URL"] = self.api_url
         env["KILN_WORKER_TOKEN"] = self.worker_token or ""
         return env

@@ -25,7 +25,12 @@ EXPLICIT_IN_PRODUCTION = {
 }
 
 
-class KilnSettings(BaseSettings):
+class SharedSettings(BaseSettings):
+    """The settings the control plane and the compiler workers share: none is a secret.
+    A worker's settings (``compiler_worker.config``) extend these, not the control plane's,
+    so a worker process never reads a database URL, a store credential, a signing key or the
+    JWT secret."""
+
     model_config = SettingsConfigDict(env_prefix="KILN_", env_file=None, extra="ignore")
 
     #: ``production`` refuses to start with the default secret, with a database, broker or
@@ -34,6 +39,43 @@ class KilnSettings(BaseSettings):
     env: Literal["dev", "production"] = "production"
     #: State folder of the embedded stack; the services' defaults live under it.
     home: Path = Path(".kiln")
+    #: Default: kombu's filesystem transport under ``home`` (no server). Production: redis://.
+    broker_url: str | None = None
+    #: Python logging level of the API and workers.
+    log_level: str = "INFO"
+    #: A job's soft time limit is its tuning budget plus this margin plus the publish retry
+    #: budget, seconds; past it the job fails `timed_out`, naming its stage.
+    job_time_margin_s: float = Field(600.0, gt=0)
+    #: Seconds after the soft time limit before the build process is killed (hard limit);
+    #: the sweep fails a job still `running` that long after its hard limit.
+    job_kill_grace_s: float = Field(60.0, gt=0)
+    #: How long a worker keeps retrying the publish of a finished build (the API, or its store
+    #: or database, unreachable), with backoff, before the job fails; its outputs are kept
+    #: meanwhile.
+    publish_retry_budget_s: float = Field(600.0, ge=0)
+    #: Confine sandboxed children (upload inspection in the API, builds in workers) to their
+    #: scratch folder with Landlock where the kernel has it (Linux 5.13+); off, or where the
+    #: kernel lacks it, a warning says what is not enforced.
+    sandbox_landlock: bool = True
+    #: Give sandboxed children a network namespace of their own (no network) where user
+    #: namespaces are allowed.
+    sandbox_network_isolation: bool = True
+
+    @property
+    def broker_folder(self) -> Path:
+        """Where the server-less broker keeps its messages."""
+        return self.home.resolve() / "broker"
+
+    def job_time_limits(self, tuning_budget_s: float) -> tuple[float, float]:
+        """(soft, hard) time limits in seconds of a job with this tuning budget."""
+        soft = tuning_budget_s + self.job_time_margin_s + self.publish_retry_budget_s
+        return soft, soft + self.job_kill_grace_s
+
+
+class KilnSettings(SharedSettings):
+    """The control plane's settings: the shared ones plus its secrets and services."""
+
+    model_config = SettingsConfigDict(env_prefix="KILN_", env_file=None, extra="ignore")
 
     #: Signs API tokens; at least 32 characters (e.g. `openssl rand -hex 32`) outside dev.
     secret_key: str = DEFAULT_SECRET
@@ -41,7 +83,7 @@ class KilnSettings(BaseSettings):
     database_url: str | None = None
     #: ``file:///abs/dir`` or ``s3://bucket/prefix``. Default: ``home/store``.
     store_uri: str | None = None
-    #: The S3 endpoint the control plane and workers use (default: AWS).
+    #: The S3 endpoint the control plane uses (default: AWS).
     s3_endpoint_url: str | None = None
     #: The S3 endpoint agents reach, which presigned download URLs name (default: the
     #: internal one). Set it when the control plane reaches S3 under a name agents cannot
@@ -49,8 +91,6 @@ class KilnSettings(BaseSettings):
     s3_public_endpoint_url: str | None = None
     #: Region of the S3 bucket (used to sign requests).
     s3_region: str = "us-east-1"
-    #: Default: kombu's filesystem transport under ``home`` (no server). Production: redis://.
-    broker_url: str | None = None
 
     #: Ed25519 private key (PEM) that signs manifests; its public half is ``<path>.pub``.
     #: ``kiln keygen`` writes a pair (``kiln up`` does for the embedded stack).
@@ -87,8 +127,6 @@ class KilnSettings(BaseSettings):
     api_port: int = 8000
     #: Lifetime of presigned download URLs, seconds.
     presign_ttl_s: int = Field(3600, ge=1)
-    #: Python logging level of the API and workers.
-    log_level: str = "INFO"
     #: How often agents are told to heartbeat, seconds.
     agent_heartbeat_s: float = Field(5.0, gt=0)
     #: The longest an agent's long-poll of its desired state
@@ -124,15 +162,6 @@ class KilnSettings(BaseSettings):
     #: Builds a job may start (a worker lost mid-build, a pool child killed, a transient
     #: error) before it fails with `worker_lost`.
     max_job_attempts: int = Field(3, ge=1)
-    #: A job's soft time limit is its tuning budget plus this margin plus the publish retry
-    #: budget, seconds; past it the job fails `timed_out`, naming its stage.
-    job_time_margin_s: float = Field(600.0, gt=0)
-    #: Seconds after the soft time limit before the build process is killed (hard limit);
-    #: the sweep fails a job still `running` that long after its hard limit.
-    job_kill_grace_s: float = Field(60.0, gt=0)
-    #: How long a worker keeps retrying the publish of a finished build (store or database
-    #: unreachable), with backoff, before the job fails; its outputs are kept meanwhile.
-    publish_retry_budget_s: float = Field(600.0, ge=0)
     #: A job committed but never enqueued (the API died in between, the broker refused) is
     #: enqueued by the sweep this many seconds after it was created.
     job_enqueue_grace_s: float = Field(10.0, ge=0)
@@ -159,13 +188,6 @@ class KilnSettings(BaseSettings):
     #: Refused unless `KILN_ENV=dev`.
     debug_exit_after_commit_file: Path | None = None
 
-    #: Confine sandboxed children (upload inspection in the API, builds in workers) to their
-    #: scratch folder with Landlock where the kernel has it (Linux 5.13+); off, or where the
-    #: kernel lacks it, a warning says what is not enforced.
-    sandbox_landlock: bool = True
-    #: Give sandboxed children a network namespace of their own (no network) where user
-    #: namespaces are allowed.
-    sandbox_network_isolation: bool = True
     #: Address space of the child that inspects an upload (model graph, dataset headers,
     #: plugin bundle); past it the upload is refused with ``resource_limit`` (413).
     inspect_memory_bytes: int = Field(6 * 1024**3, ge=256 * 1024**2)
@@ -205,16 +227,6 @@ class KilnSettings(BaseSettings):
     def defaulted(self) -> frozenset[str]:
         """Fields filled from ``home`` because they were not given."""
         return self._defaulted
-
-    @property
-    def broker_folder(self) -> Path:
-        """Where the server-less broker keeps its messages."""
-        return self.home.resolve() / "broker"
-
-    def job_time_limits(self, tuning_budget_s: float) -> tuple[float, float]:
-        """(soft, hard) time limits in seconds of a job with this tuning budget."""
-        soft = tuning_budget_s + self.job_time_margin_s + self.publish_retry_budget_s
-        return soft, soft + self.job_kill_grace_s
 
     def check_secure(self) -> None:
         """Refuse to serve with the well-known default secret outside dev mode."""

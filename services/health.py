@@ -1,6 +1,7 @@
 """Readiness probes shared by the API's and the workers' ``/readyz``: each dependency (the
-database, the broker, the store) is asked once, with a timeout, and reported with its
-latency; the answer is 503 naming each one that is down."""
+API's database, broker and store; a worker's broker and the API) is asked once, with a
+timeout, and reported with its latency; the answer is 503 naming each one that is down.
+Nothing here touches SQL: the database probe lives with the API (``routers/health.py``)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from sqlalchemy import text
-from sqlalchemy.orm import Session, sessionmaker
-
-from services.config import KilnSettings
+from services.config import SharedSettings
 from services.queue.health import broker_probe as _broker_probe
 
 #: A dependency that does not answer within this many seconds counts as down.
@@ -23,14 +21,7 @@ _probes = ThreadPoolExecutor(max_workers=6, thread_name_prefix="kiln-readyz")
 Probe = Callable[[], Any]
 
 
-def database_probe(sessions: sessionmaker[Session]) -> Probe:
-    def probe() -> None:
-        with sessions() as session:
-            session.execute(text("select 1"))
-    return probe
-
-
-def broker_probe(settings: KilnSettings) -> Probe:
+def broker_probe(settings: SharedSettings) -> Probe:
     return _broker_probe(settings, timeout_s=READY_TIMEOUT_S)
 
 

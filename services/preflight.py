@@ -9,7 +9,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from artifact_store import ArtifactStore, load_signer, open_store
 from schemas.errors import ConfigError, KilnError
-from services.config import KilnSettings
+from services.config import KilnSettings, SharedSettings
 from services.queue import broker_probe
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def check_broker(settings: KilnSettings) -> None:
+def check_broker(settings: SharedSettings) -> None:
     """``ConfigError`` naming the fix unless the broker answers (the server-less filesystem
     broker is a local folder, made when the queue is configured: nothing to reach)."""
     url = settings.broker_url or ""

@@ -1,8 +1,9 @@
 """The Celery application.
 
-Created unconfigured at import (no I/O, no settings read); ``configure_celery`` applies a
-``KilnSettings`` explicitly, and the ``on_configure`` hook applies ``get_settings()`` lazily
-for a process (``celery -A services.queue.app worker``) that did not configure it.
+Created unconfigured at import (no I/O, no settings read); ``configure_celery`` applies
+settings explicitly (the control plane's, or a worker's: both extend ``SharedSettings``), and
+the ``on_configure`` hook applies ``get_settings()`` lazily for a process
+(``celery -A services.queue.app worker``) that did not configure it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 from celery import Celery
 
 from schemas.options import CompileOptions
-from services.config import KilnSettings, get_settings
+from services.config import SharedSettings, get_settings
 from services.queue.filesystem import TRANSPORT as FILESYSTEM_TRANSPORT
 
 celery_app = Celery("kiln", set_as_current=False)
@@ -23,7 +24,7 @@ VISIBILITY_TIMEOUT_S = 6 * 3600
 DEFAULT_TUNING_BUDGET_S = CompileOptions.model_fields["tuning_budget_s"].default
 
 
-def celery_config(settings: KilnSettings) -> dict[str, Any]:
+def celery_config(settings: SharedSettings) -> dict[str, Any]:
     broker_options: dict[str, Any] = {}
     transport: dict[str, Any] = {}
     if settings.broker_url.startswith("filesystem"):
@@ -69,7 +70,7 @@ def celery_config(settings: KilnSettings) -> dict[str, Any]:
     }
 
 
-def configure_celery(settings: KilnSettings, app: Celery = celery_app) -> Celery:
+def configure_celery(settings: SharedSettings, app: Celery = celery_app) -> Celery:
     app.conf.update(celery_config(settings))
     app.kiln_settings = settings  # type: ignore[attr-defined]
     return app

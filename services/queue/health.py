@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from services.config import KilnSettings
+from services.config import SharedSettings
 
 
-def broker_probe(settings: KilnSettings, *, timeout_s: float = 3.0) -> Callable[[], None]:
+def broker_probe(settings: SharedSettings, *, timeout_s: float = 3.0) -> Callable[[], None]:
     """A function that raises unless the broker of ``settings`` answers within
     ``timeout_s``: a PING for Redis, the folder for the filesystem broker, one connection
     attempt for another kombu transport."""

@@ -27,12 +27,29 @@ def compile_once(stack, model_bytes: bytes, options: CompileOptions | None = Non
     return model, stack.client.wait_job(job.id, timeout_s=180, on_update=on_update)
 
 
+def _environ(pid: int) -> dict[str, str]:
+    return dict(entry.decode().split("=", 1) for entry in
+                Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in entry)
+
+
+#: What a worker must never hold: the control plane's secrets, its database, its store.
+CONTROL_PLANE_ONLY = ("KILN_SECRET_KEY", "KILN_SIGNING_KEY_PATH", "KILN_ROOT_KEY_PATH",
+                      "KILN_DATABASE_URL", "KILN_STORE_URI", "KILN_S3_ENDPOINT_URL")
+
+
 def test_submit_compile_verify_publish(kiln_stack, tmp_path: Path):
     stages: list[str] = []
+    (worker,) = [p for p in kiln_stack.stack.processes if "worker" in p.args]
+    running_environ: dict[str, str] = {}
+
+    def seen(j) -> None:
+        stages.append(j.stage.value)
+        if j.status is JobStatus.RUNNING and not running_environ:
+            running_environ.update(_environ(worker.pid))  # the process building it, now
+
     model, job = compile_once(
         kiln_stack, onnx_test_model("light_resnet50").SerializeToString(),
-        CompileOptions(benchmark_iterations=20),
-        on_update=lambda j: stages.append(j.stage.value),
+        CompileOptions(benchmark_iterations=20), on_update=seen,
     )
     assert job.status is JobStatus.SUCCEEDED, job.error
     assert job.attempts == 1 and not job.cache_hit
@@ -55,14 +72,18 @@ def test_submit_compile_verify_publish(kiln_stack, tmp_path: Path):
     listed = kiln_stack.client.list_artifacts(fingerprint_key=job.fingerprint_key)
     assert [a.id for a in listed] == [job.artifact_id]
 
-    # The control plane signed it: the worker that built it was never handed the signing key
-    # or the JWT secret, only a worker token and the API's URL.
-    (worker,) = [p for p in kiln_stack.stack.processes if "worker" in p.args]
-    environ = dict(entry.split(b"=", 1) for entry in
-                   Path(f"/proc/{worker.pid}/environ").read_bytes().split(b"\0") if b"=" in entry)
-    assert b"KILN_SIGNING_KEY_PATH" not in environ and b"KILN_SECRET_KEY" not in environ
-    assert environ[b"KILN_WORKER_API_URL"] == kiln_stack.stack.api_url.encode()
-    assert environ[b"KILN_WORKER_TOKEN"]
+    # The control plane signed it: the worker that built it, while it built, held neither the
+    # signing key nor the JWT secret, nor the database URL nor any store credential: only the
+    # broker, the API's URL and a worker token.
+    assert running_environ, "the job was never seen running"
+    for environ in (running_environ, _environ(worker.pid)):
+        held = sorted(name for name in environ
+                      if name in CONTROL_PLANE_ONLY or name.startswith("AWS_"))
+        assert held == [], f"the worker's environment holds {held}"
+        assert environ["KILN_WORKER_API_URL"] == kiln_stack.stack.api_url
+        assert environ["KILN_WORKER_TOKEN"]
+    if kiln_stack.kind != "embedded":
+        assert running_environ["KILN_BROKER_URL"].startswith("redis://")
 
 
 def test_cache_hit_and_duplicate_delivery_yield_one_artifact(kiln_stack):

@@ -77,6 +77,29 @@ def test_the_worker_needs_no_signing_key_but_refuses_to_start_without_a_worker_t
     assert "chmod" not in message
 
 
+def test_a_worker_refuses_control_plane_secrets_in_its_environment(tmp_path: Path) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    worker_env = {"KILN_HOME": str(tmp_path / "home"), "KILN_BROKER_URL": dead,
+                  "KILN_WORKER_API_URL": "http://127.0.0.1:9", "KILN_WORKER_TOKEN": "t"}
+    leaked = {"KILN_DATABASE_URL": "postgresql+psycopg://kiln:pw@db/kiln",
+              "AWS_SECRET_ACCESS_KEY": "s3-secret", "KILN_SECRET_KEY": SECRET}
+    proc = kiln("worker", "--pool", "solo", env={**worker_env, **leaked}, cwd=tmp_path)
+    assert proc.returncode == CONFIG, proc.stderr
+    message = proc.stderr.replace("\n", "")
+    for name in leaked:
+        assert name in message
+    assert "pw" not in message and "s3-secret" not in message  # named, never shown
+    # In dev it is a warning; the worker goes on (here to the broker, which is down).
+    proc = kiln("worker", "--pool", "solo",
+                env={**worker_env, **leaked, "KILN_ENV": "dev"}, cwd=tmp_path)
+    assert proc.returncode == CONFIG, proc.stderr
+    message = proc.stderr.replace("\n", "")
+    assert "holds no control-plane secret" in message and "does not answer" in message
+    # With only what a worker needs, production starts as far as the broker.
+    proc = kiln("worker", "--pool", "solo", env=worker_env, cwd=tmp_path)
+    assert proc.returncode == CONFIG and "does not answer" in proc.stderr.replace("\n", "")
+
+
 def test_the_api_refuses_to_start_when_the_broker_does_not_answer(tmp_path: Path) -> None:
     dead = f"redis://127.0.0.1:{free_port()}/0"
     proc = kiln("api", "--port", str(free_port()),

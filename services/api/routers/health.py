@@ -5,10 +5,19 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from sqlalchemy import text
+from sqlalchemy.orm import Session, sessionmaker
 
-from services.health import broker_probe, database_probe, readiness
+from services.health import Probe, broker_probe, readiness
 
 router = APIRouter(tags=["health"])
+
+
+def database_probe(sessions: sessionmaker[Session]) -> Probe:
+    def probe() -> None:
+        with sessions() as session:
+            session.execute(text("select 1"))
+    return probe
 
 
 @router.get("/healthz")
