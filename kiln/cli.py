@@ -143,15 +143,16 @@ def worker(
     pool: Annotated[str, typer.Option(help="celery pool: prefork or solo")] = "prefork",
     fingerprint_file: Annotated[Path | None, typer.Option(exists=True)] = None,
     api_url: Annotated[str | None, typer.Option(
-        "--api", help="control-plane URL the worker publishes through (default: "
-        "KILN_WORKER_API_URL)")] = None,
+        "--api", help="control-plane URL the worker claims jobs, fetches inputs and "
+        "publishes through (default: KILN_WORKER_API_URL)")] = None,
     token_: Annotated[str | None, typer.Option(
         "--token", help="worker token scoped to this machine's fingerprint keys (default: "
         "KILN_WORKER_TOKEN; mint one with `kiln token create --role worker --key KEY`)")
     ] = None,
 ) -> None:
-    """Run a compiler worker consuming the queues of this machine's fingerprint keys; it
-    publishes what it builds through the control plane, which signs it."""
+    """Run a compiler worker consuming the queues of this machine's fingerprint keys. It
+    holds no database URL, store credential or secret: it speaks to the control plane over
+    HTTP with a worker token, and the control plane signs what it builds."""
     if api_url:
         os.environ["KILN_WORKER_API_URL"] = api_url
     if token_:
