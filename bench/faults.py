@@ -14,7 +14,8 @@ Faults, round robin until the time budget is spent:
 - ``redis restart``: kill redis-server and start it again just after two jobs are submitted
   (the queued one's message is lost; the sweep sends it again);
 - ``postgres restart``: SIMULATED by terminating every backend connection of the stack's
-  database (``pg_terminate_backend``) mid-build, as a server restart would;
+  database (``pg_terminate_backend``) mid-build, as a server restart would (only the API
+  holds connections; the worker sees what the API answers meanwhile);
 - ``api commit/enqueue``: the API exits between committing a job and enqueueing it
   (``KILN_DEBUG_EXIT_AFTER_COMMIT_FILE``, a dev-only hook) and is started again.
 
