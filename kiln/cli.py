@@ -259,13 +259,16 @@ def agent(
 
 def _start_builder(agent_name: str, fingerprint_file: Path | None, api_url: str):
     """A ``kiln worker`` child process building for this node's own fingerprint keys; it
-    publishes through the agent's control plane unless KILN_WORKER_API_URL says otherwise."""
+    publishes through the agent's control plane unless KILN_WORKER_API_URL says otherwise,
+    with its own worker token (KILN_WORKER_TOKEN) and none of the agent's secrets."""
     import subprocess
+
+    from kiln.stack import worker_environment
 
     argv = [sys.executable, "-m", "kiln.cli", "worker", "--name", f"{agent_name}-build"]
     if fingerprint_file:
         argv += ["--fingerprint-file", str(fingerprint_file)]
-    env = {**os.environ}
+    env = worker_environment(os.environ)  # not the agent's token, nor any store credential
     env.setdefault("KILN_WORKER_API_URL", api_url)
     return subprocess.Popen(argv, env=env)
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,18 @@ from kiln.client import KilnClient
 from kiln.config import write_client_file
 
 logger = logging.getLogger(__name__)
+
+
+def worker_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` less every ``KILN_*`` variable a compiler worker does not read (the JWT secret,
+    the signing key, the database URL, the store and its endpoint, an agent's token) and every
+    store credential (``AWS_*``): what a worker process is started with."""
+    from kiln.settings import variables
+
+    readable = {v.name for v in variables() if "worker" in v.readers}
+    return {k: v for k, v in env.items()
+            if not k.upper().startswith("AWS_")
+            and (not k.upper().startswith("KILN_") or k.upper() in readable)}
 
 
 @dataclass
@@ -110,16 +123,9 @@ class EmbeddedStack:
                         env, log_dir / "agent.log")
 
     def worker_env(self) -> dict[str, str]:
-        """A worker's environment: the stack's, less every ``KILN_*`` variable a worker does
-        not read (the JWT secret, the signing key, the database URL, the store and its
-        endpoint) and every store credential (``AWS_*``), plus the API's URL and the worker
-        token: a worker reaches the control plane only over HTTP."""
-        from kiln.settings import variables
-
-        readable = {v.name for v in variables() if "worker" in v.readers}
-        env = {k: v for k, v in self._env.items()
-               if not k.upper().startswith("AWS_")
-               and (not k.upper().startswith("KILN_") or k.upper() in readable)}
+        """A worker's environment (``worker_environment`` of the stack's), plus the API's URL
+        and the worker token: a worker reaches the control plane only over HTTP."""
+        env = worker_environment(self._env)
         env["KILN_WORKER_API_URL"] = self.api_url
         env["KILN_WORKER_TOKEN"] = self.worker_token or ""
         return env

@@ -130,3 +130,22 @@ def test_kiln_config_says_where_each_value_came_from(tmp_path: Path) -> None:
     assert out["unknown"]["KILN_AGENT_LABLES"][0] == "KILN_AGENT_LABELS"  # the closest first
     proc = _kiln("config", "--markdown", env={}, cwd=tmp_path)
     assert proc.stdout.strip() == markdown_table()
+
+
+def test_a_worker_is_started_with_none_of_the_control_planes_or_an_agents_secrets() -> None:
+    """What `kiln up` and `kiln agent --build` hand a compiler worker: the variables a worker
+    reads, and nothing that would let a plugin running beside it sign, mint tokens, reach the
+    database or the store, or speak as the agent."""
+    from kiln.stack import worker_environment
+
+    env = {"PATH": "/usr/bin", "HOME": "/home/kiln",
+           "KILN_BROKER_URL": "redis://broker:6379/0", "KILN_WORKER_TOKEN": "w",
+           "KILN_WORKER_API_URL": "http://api:8000", "KILN_LOG_LEVEL": "INFO",
+           "KILN_SECRET_KEY": "s", "KILN_SIGNING_KEY_PATH": "/keys/signing.key",
+           "KILN_DATABASE_URL": "postgresql://db/kiln", "KILN_STORE_URI": "s3://bucket/kiln",
+           "KILN_S3_ENDPOINT_URL": "http://s3:9000", "KILN_AGENT_TOKEN": "a",
+           "KILN_AGENT_SERVE_TOKEN": "t", "KILN_TOKEN": "admin",
+           "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "v", "aws_session_token": "x"}
+    kept = worker_environment(env)
+    assert kept == {k: env[k] for k in ("PATH", "HOME", "KILN_BROKER_URL", "KILN_WORKER_TOKEN",
+                                          "KILN_WORKER_API_URL", "KILN_LOG_LEVEL")}
