@@ -506,6 +506,7 @@ def _compile_program(
     # The program's custom ops are registered as torch ops (kernels and fake implementations
     # from their plugins) before torch.export.load, which needs them to rebuild the graph.
     program_ops = set(inspect_export_archive(submitted_path).custom_ops)
+    backend.check_program(program_ops)
     used = _prepare_plugins(program_ops, plugins, backend, {}, workdir, rename=torch_op_name)
     if used.adapter is not None:
         used.adapter.apply(None)
@@ -538,6 +539,10 @@ def _compile_program(
     calibration_feeds = (dataset_feeds(calibration, inputs, what="calibration", limit=512)
                          if calibration is not None else [])
     stages.enter(JobStage.BUILDING)
+    # A backend that builds another format converts the program here, once for all its
+    # candidates (onnxruntime: the ONNX exporter); the reference stays the eager program.
+    model_path = plan.backend.from_program(prepared.program, prepared.path, workdir,
+                                           inputs=inputs, outputs=outputs)
     # Re-exported with new dynamic axes: the reference is the re-exported program's module
     # (the same eager code, traced again), since the submitted graph may fix those sizes.
     reference = EagerReference(prepared, "the program re-exported with the profiles' dynamic "
@@ -547,7 +552,7 @@ def _compile_program(
     return _tune_and_finish(
         model_sha256, options, fingerprint=fingerprint, workdir=workdir, stages=stages,
         plan=plan, disabled=disabled, used=used, passes_applied=applied,
-        model_path=prepared.path, inputs=inputs, outputs=outputs, feeds=feeds,
+        model_path=model_path, inputs=inputs, outputs=outputs, feeds=feeds,
         expected=expected, reference=reference, source=source,
         calibration_feeds=calibration_feeds, calibration_note="", reuse=reuse)
 

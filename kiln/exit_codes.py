@@ -40,6 +40,7 @@ EXIT_CODES: dict[ErrorCode, int] = {
     ErrorCode.TIMED_OUT: 31,
     ErrorCode.SANDBOX_CRASHED: 32,
     ErrorCode.CANCELLED: 33,
+    ErrorCode.UNSUPPORTED_OPERATOR: 34,
     ErrorCode.INTEGRITY_ERROR: 40,
     ErrorCode.SIGNATURE_INVALID: 41,
     ErrorCode.METADATA_REFUSED: 42,

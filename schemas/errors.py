@@ -34,6 +34,9 @@ class ErrorCode(StrEnum):
     BACKEND_UNAVAILABLE = "backend_unavailable"
     FINGERPRINT_MISMATCH = "fingerprint_mismatch"
     UNKNOWN_OPERATOR = "unknown_operator"
+    #: A standard operator a backend's converter cannot translate (``details["op"]``, e.g.
+    #: ``aten::kthvalue``): that backend builds nothing for the model; others still may.
+    UNSUPPORTED_OPERATOR = "unsupported_operator"
     PLUGIN_ERROR = "plugin_error"
     # sandboxed steps (parsing, building, plugin code): a limit ran out, or the child died
     RESOURCE_LIMIT = "resource_limit"
@@ -82,6 +85,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.BACKEND_UNAVAILABLE: 422,
     ErrorCode.FINGERPRINT_MISMATCH: 409,
     ErrorCode.UNKNOWN_OPERATOR: 422,
+    ErrorCode.UNSUPPORTED_OPERATOR: 422,
     ErrorCode.PLUGIN_ERROR: 422,
     ErrorCode.RESOURCE_LIMIT: 413,
     ErrorCode.TIMED_OUT: 422,
@@ -214,6 +218,13 @@ class UnknownOperator(CompileError):
     """The model uses a custom op that no registered plugin provides."""
 
     code = ErrorCode.UNKNOWN_OPERATOR
+
+
+class UnsupportedOperator(CompileError):
+    """The model uses a standard operator that a backend's converter cannot translate (the
+    ONNX exporter for a torch program, say); ``details["op"]`` names it, ``aten::kthvalue``."""
+
+    code = ErrorCode.UNSUPPORTED_OPERATOR
 
 
 class PluginError(KilnError):

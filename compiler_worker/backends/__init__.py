@@ -72,10 +72,13 @@ def backend_for(fingerprint: HardwareFingerprint, options: CompileOptions,
     takes models of ``model_format``: ``onnx``, ``torch-export``).
 
     ``options.backends`` is tried in order; when empty, every registered backend is tried by
-    priority. A backend qualifies when it supports the fingerprint and accepts the options.
+    priority, those that take ``model_format`` only by converting it last (a torch program goes
+    to AOTInductor before onnxruntime's ONNX export; a job names its key, which decides). A
+    backend qualifies when it supports the fingerprint and accepts the options.
     Raises ``BackendUnavailable`` saying why each candidate was refused.
     """
-    candidates = list(options.backends) or names()
+    candidates = list(options.backends) or sorted(
+        names(), key=lambda n: model_format is not None and model_format in _REGISTRY[n].converts)
     reasons: dict[str, str] = {}
     for name in candidates:
         if name not in _REGISTRY:

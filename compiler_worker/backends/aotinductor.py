@@ -10,7 +10,9 @@ an ONNX model on an AOTInductor key, and ``compile_model`` refuses one with ``In
 ONNX models would need a converter to a torch program; ``onnx2torch``, the obvious one, needs
 torchvision, which cannot be installed beside this torch, so there is none. A file that
 reaches ``build`` anyway fails the candidate with that reason. For a model of either format,
-the backend that takes its format builds (``backend_for(model_format=...)``).
+a backend that takes its format builds (``backend_for(model_format=...)``); onnxruntime takes
+torch programs too (through the ONNX exporter), and the control plane builds both for a
+program and gives an agent the faster (``services/api/engine_choice.py``).
 
 A failure Inductor attributes to an operator (a missing lowering or decomposition, a lowering
 that raised: ``target: <op>`` in its message) fails the candidate with the op named

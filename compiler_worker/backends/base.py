@@ -11,12 +11,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from runtime_agent.executors.base import CustomOpAdapter, Executor
 from runtime_agent.fingerprint import major_minor, slug, version_tuple  # noqa: F401 (re-exported)
 from schemas.errors import BackendUnavailable, CompileError, InvalidRequest
 from schemas.fingerprint import HardwareFingerprint
+from schemas.manifest import TensorSpec
 from schemas.options import CompileOptions
 
 if TYPE_CHECKING:
@@ -95,6 +96,9 @@ class Backend(ABC):
     device: ClassVar[str] = "cpu"
     #: Model formats ``build`` takes (``onnx``, ``torch-export``).
     model_formats: ClassVar[frozenset[str]] = frozenset({"onnx"})
+    #: Those of ``model_formats`` it takes only by converting them first (``from_program``):
+    #: when nothing names a backend, one that takes the format as it is goes first.
+    converts: ClassVar[frozenset[str]] = frozenset()
 
     @property
     def accepts_plugins(self) -> bool:
@@ -148,6 +152,18 @@ class Backend(ABC):
 
     def check_options(self, options: CompileOptions) -> None:  # noqa: B027 - optional hook
         """Raise ``BackendUnavailable`` / ``InvalidOptions`` for options this backend refuses."""
+
+    def check_program(self, custom_ops: set[str]) -> None:  # noqa: B027 - optional hook
+        """Raise for a ``torch.export`` program this backend cannot take, before anything is
+        loaded (``custom_ops``: the program's ops outside ``aten``, as torch names them)."""
+
+    def from_program(self, program: Any, program_path: Path, workdir: Path, *,
+                     inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> Path:
+        """The model file ``build`` takes for a checked, loaded ``torch.export`` program
+        (``program``, saved at ``program_path``), made once per compile, in the build step:
+        the program itself by default; a backend that builds another format converts it
+        here into ``workdir``, keeping the names of ``inputs`` and ``outputs``."""
+        return program_path
 
     @abstractmethod
     def candidates(self, fingerprint: HardwareFingerprint,

@@ -36,6 +36,18 @@ load time would cost start-up time and run a graph other than the one Kiln verif
 the engine was built at is kept as ``optimization_level``. Engines over 1.5 GB keep their
 initializers in a second blob, ``engine.onnx.data`` (protobuf's 2 GB limit).
 
+PyTorch programs. A ``torch.export`` archive (``.pt2``) is built too: ``from_program``, in the
+build step where the pipeline loaded the program, exports it with
+``torch.onnx.export(program, dynamo=True)`` (the exporter translates the program's ATen graph;
+the program's inputs and outputs keep their names, its dynamic dimensions stay symbolic), and
+the candidates build from that ONNX model as from a submitted one. The reference stays the
+program's eager module, as for every backend building a program: the engine is verified
+against PyTorch, not against the exported ONNX. An ATen op the exporter cannot translate
+fails the build with ``UnsupportedOperator`` naming it (``details["op"]``, e.g.
+``aten::kthvalue``); so does a program with custom ops (their plugins' kernels are torch
+kernels, which onnxruntime cannot run). Workers advertise ``torch-export`` for this backend's
+key only where torch is installed (``model_formats``).
+
 Custom ops. ``build(..., custom_ops=SessionCustomOps)`` registers the plugins' Python kernels
 (through onnxruntime-extensions) and native libraries with the optimizing session, exactly as
 the executor will, and records them in ``runtime_config["custom_ops"]``. onnxruntime keeps
@@ -46,10 +58,12 @@ are not quantized (the quantizer cannot see through an op it does not know).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from compiler_worker.backends.base import (
     Backend,
@@ -72,8 +86,10 @@ from schemas.errors import (
     FingerprintMismatch,
     InvalidOptions,
     KilnError,
+    UnsupportedOperator,
 )
 from schemas.fingerprint import HardwareFingerprint
+from schemas.manifest import TensorSpec
 from schemas.options import CompileOptions, Portability, Precision
 
 if TYPE_CHECKING:
@@ -108,6 +124,30 @@ def _model_bytes_on_disk(model_path: Path) -> int:
         if (model_path.parent / location).is_file())
 
 
+#: How the ONNX exporter names the op it has no translation for.
+_EXPORTER_OP = (
+    re.compile(r"No ONNX function found for <OpOverload\(op='([A-Za-z0-9_.]+)'"),
+    re.compile(r"target=torch\.ops\.([A-Za-z0-9_]+\.[A-Za-z0-9_]+)"),
+    re.compile(r"Unsupported FX nodes: \{'call_function': \['([A-Za-z0-9_]+\.[A-Za-z0-9_]+)"),
+)
+
+
+def unexported_op(exc: BaseException) -> str | None:
+    """``aten::kthvalue`` for an exporter failure about ``aten.kthvalue`` (the cause chain
+    is searched); ``None`` when the failure names no op."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        for pattern in _EXPORTER_OP:
+            match = pattern.search(str(current))
+            if match:
+                namespace, _, name = match.group(1).partition(".")
+                return f"{namespace}::{name.split('.')[0]}"
+        current = current.__cause__ or current.__context__
+    return None
+
+
 class OnnxRuntimeBackend(Backend):
     """onnxruntime's CPU execution provider; keyed by ISA class and onnxruntime major.minor."""
 
@@ -115,6 +155,53 @@ class OnnxRuntimeBackend(Backend):
     executor = OnnxRuntimeExecutor
     priority = 10
     device = "cpu"
+    converts = frozenset({"torch-export"})
+
+    @property
+    def model_formats(self) -> frozenset[str]:  # type: ignore[override]
+        """ONNX models, and ``torch.export`` programs where torch (with its ONNX exporter) is
+        installed: ``from_program`` exports them."""
+        if importlib.util.find_spec("torch") and importlib.util.find_spec("onnxscript"):
+            return frozenset({"onnx", "torch-export"})
+        return frozenset({"onnx"})
+
+    def check_program(self, custom_ops: set[str]) -> None:
+        if custom_ops:
+            op = sorted(custom_ops)[0]
+            raise UnsupportedOperator(
+                f"the {self.name} backend builds torch programs through the ONNX exporter, "
+                f"which cannot translate custom ops {sorted(custom_ops)} (their plugins' "
+                f"kernels are torch kernels); build this program with a backend that runs "
+                f"torch programs", op=op, ops=sorted(custom_ops), backend=self.name)
+
+    def from_program(self, program: Any, program_path: Path, workdir: Path, *,
+                     inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> Path:
+        """Export the program with ``torch.onnx.export(..., dynamo=True)`` to
+        ``workdir/program.onnx``."""
+        import torch
+
+        destination = workdir / "program.onnx"
+        try:
+            exported = torch.onnx.export(
+                program, dynamo=True, input_names=[spec.name for spec in inputs],
+                output_names=[spec.name for spec in outputs], verbose=False)
+        except Exception as exc:  # the exporter raises its own untyped errors
+            op = unexported_op(exc)
+            if op is not None:
+                raise UnsupportedOperator(
+                    f"torch {torch.__version__}'s ONNX exporter cannot translate op {op}, so "
+                    f"the {self.name} backend cannot build this program (other backends "
+                    f"still may): {type(exc).__name__}: {str(exc)[:1500]}",
+                    op=op, backend=self.name) from exc
+            raise CompileError(
+                f"torch {torch.__version__}'s ONNX exporter could not export the program for "
+                f"the {self.name} backend: {type(exc).__name__}: {exc}"[:2000],
+                backend=self.name) from exc
+        if exported is None:
+            raise CompileError(f"torch {torch.__version__}'s ONNX exporter returned nothing")
+        exported.save(str(destination))
+        logger.info("exported the torch program to ONNX (%s)", destination.name)
+        return destination
 
     def toolchain(self) -> str:
         version = self.executor.probe_version()

@@ -56,10 +56,15 @@ def test_registered_beside_onnxruntime_and_tensorrt_but_never_picked_by_default(
     assert backend_for(fp, CompileOptions(backends=["aotinductor"])).name == "aotinductor"
     # Workers serve its queue, for torch.export models only.
     assert fingerprint_keys(fp) == ["ort-cpu-x86-64-v4-ort1.32", AOTI.fingerprint_key(fp)]
-    assert model_formats(fp) == {"ort-cpu-x86-64-v4-ort1.32": ["onnx"],
+    # onnxruntime builds torch programs too (through the ONNX exporter).
+    assert model_formats(fp) == {"ort-cpu-x86-64-v4-ort1.32": ["onnx", "torch-export"],
                                  AOTI.fingerprint_key(fp): ["torch-export"]}
-    # A job names no backend: the model's format picks one.
+    # A job names no backend: the model's format picks one, a converting backend last; a
+    # job's key decides.
     assert backend_for(fp, CompileOptions(), model_format="torch-export").name == "aotinductor"
+    assert backend_for(fp, CompileOptions(), "ort-cpu-x86-64-v4-ort1.32",
+                       model_format="torch-export").name == "onnxruntime"
+    assert backend_for(fp, CompileOptions(), model_format="onnx").name == "onnxruntime"
     with pytest.raises(BackendUnavailable, match="builds \\['torch-export'\\] models, not onnx"):
         backend_for(fp, CompileOptions(backends=["aotinductor"]), model_format="onnx")
 

@@ -17,6 +17,7 @@ from schemas.errors import InvalidModel, InvalidOptions
 from schemas.options import CompileOptions, ShapeProfile
 from tests.models.torch_programs import (
     evil_sample_inputs,
+    kthvalue_archive,
     rewrite,
     save_program,
     tiny_mlp,
@@ -31,14 +32,60 @@ def pt2(tmp_path_factory) -> Path:
     return tiny_mlp_archive(tmp_path_factory.mktemp("program") / "tiny.pt2")
 
 
-def test_a_program_is_refused_by_an_onnx_backend(pt2: Path, fingerprint, tmp_path: Path) -> None:
+def test_onnxruntime_builds_a_program_verified_against_eager(pt2: Path, fingerprint,
+                                                             tmp_path: Path) -> None:
+    """The onnxruntime backend takes a torch program: exported to ONNX in the build step,
+    built, and verified against the eager program (not against the exported ONNX)."""
     from compiler_worker.backends import get
 
     key = get("onnxruntime").fingerprint_key(fingerprint)
-    plan = plan_build("0" * 64, CompileOptions(), fingerprint, key=key)
-    with pytest.raises(InvalidOptions, match="torch-export model; the onnxruntime backend"):
-        compile_model(pt2.read_bytes(), CompileOptions(), fingerprint=fingerprint,
-                      workdir=tmp_path, plan=plan)
+    options = CompileOptions(tune="off")
+    plan = plan_build("0" * 64, options, fingerprint, key=key, model_format="torch-export")
+    assert plan.backend.name == "onnxruntime"
+    result = compile_model(pt2.read_bytes(), options, fingerprint=fingerprint,
+                           workdir=tmp_path / "work", plan=plan)
+    manifest = result.manifest
+    assert manifest.backend == "onnxruntime" and manifest.verification.passed
+    assert "eager ExportedProgram.module()" in manifest.verification.reference
+    assert [s.name for s in manifest.inputs] == ["x"]
+    directory = write_artifact_dir(result, tmp_path / "artifact")
+    x = np.random.default_rng(3).standard_normal((4, 16), dtype=np.float32)
+    got = load_executor(directory, manifest).run({"x": x})
+    with torch.no_grad():
+        want = tiny_mlp()(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(got[manifest.outputs[0].name], want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_op_the_onnx_exporter_cannot_translate(fingerprint, tmp_path: Path) -> None:
+    """torch.kthvalue has no ONNX translation: the onnxruntime build fails with
+    ``unsupported_operator`` naming ``aten::kthvalue``."""
+    from compiler_worker.backends import get
+    from schemas.errors import ErrorCode, UnsupportedOperator
+
+    path = kthvalue_archive(tmp_path / "kth.pt2")
+    key = get("onnxruntime").fingerprint_key(fingerprint)
+    plan = plan_build("0" * 64, CompileOptions(), fingerprint, key=key,
+                      model_format="torch-export")
+    with pytest.raises(UnsupportedOperator, match="cannot translate op aten::kthvalue") as caught:
+        compile_model(path.read_bytes(), CompileOptions(tune="off"), fingerprint=fingerprint,
+                      workdir=tmp_path / "work", plan=plan)
+    assert caught.value.code is ErrorCode.UNSUPPORTED_OPERATOR
+    assert caught.value.details["op"] == "aten::kthvalue"
+    assert caught.value.http_status == 422
+
+
+def test_exporter_failures_name_the_op() -> None:
+    from compiler_worker.backends.onnxruntime import unexported_op
+
+    inner = RuntimeError("No ONNX function found for <OpOverload(op='aten.kthvalue', "
+                         "overload='default')>. Failure message: ...")
+    outer = RuntimeError("Failed to convert the exported program to an ONNX model.")
+    outer.__cause__ = inner
+    assert unexported_op(outer) == "aten::kthvalue"
+    assert unexported_op(RuntimeError("translating node %k = call_function["
+                                      "target=torch.ops.aten.kthvalue.default]")) == \
+        "aten::kthvalue"
+    assert unexported_op(RuntimeError("out of memory")) is None
 
 
 def test_an_onnx_model_is_refused_by_aotinductor(fingerprint, tmp_path: Path) -> None:

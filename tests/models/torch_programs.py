@@ -47,6 +47,30 @@ def tiny_mlp_archive(path: Path, *, batch: int = 4) -> Path:
     return save_program(tiny_mlp(), (torch.randn(batch, 16),), path)
 
 
+def kthvalue_program(*, seed: int = 0):
+    """A linear layer then ``torch.kthvalue``: AOTInductor builds it, the ONNX exporter has
+    no translation for ``aten::kthvalue``."""
+    import torch
+
+    class KthValue(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            return torch.kthvalue(self.fc(x), 2, dim=1).values
+
+    torch.manual_seed(seed)
+    return KthValue().eval()
+
+
+def kthvalue_archive(path: Path, *, batch: int = 4) -> Path:
+    """The exported ``kthvalue_program`` (input ``x``: float32 [batch, 16])."""
+    import torch
+
+    return save_program(kthvalue_program(), (torch.randn(batch, 16),), path)
+
+
 def rewrite(source: Path, dest: Path,
             edit: Callable[[dict[str, bytes]], dict[str, bytes]], *,
             compression: int = zipfile.ZIP_STORED) -> Path:
