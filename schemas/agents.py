@@ -15,7 +15,8 @@ from schemas.errors import ErrorBody
 from schemas.fingerprint import HardwareFingerprint
 
 #: The desired-state schema this Kiln writes (see ``schemas._versioned``).
-DESIRED_STATE_SCHEMA_VERSION = "1.0"
+#: 1.1: ``DesiredModel.choice`` (why this engine; agents of 1.0 drop it).
+DESIRED_STATE_SCHEMA_VERSION = "1.1"
 
 AGENT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 #: A fingerprint key (it names a queue, ``build.<key>``) and a compatibility key.
@@ -142,6 +143,39 @@ class AgentHeartbeat(BaseModel):
     trust: TrustStatus | None = None
 
 
+class EngineCandidate(BaseModel):
+    """A verified engine the agent could run, as the control plane weighed it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    artifact_id: str
+    backend: str
+    tier: str
+    #: The p50 latency recorded when it was built (on the build host); ``None`` when none was.
+    p50_ms: float | None = None
+
+
+class EngineChoice(BaseModel):
+    """Why the control plane gave an agent this engine among those it could run
+    (``services/api/engine_choice.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: ``fastest`` (the lowest recorded p50 of its tier), ``tie`` (several share it: the
+    #: agent's backend preference among them), ``preference`` (a candidate of the tier has no
+    #: recorded p50: the agent's backend preference), or ``only`` (the one candidate).
+    reason: str
+    #: The tier it came from: ``exact`` before ``compatible`` before ``fallback``.
+    tier: str
+    #: Every candidate weighed, the chosen one first.
+    candidates: list[EngineCandidate] = Field(default_factory=list)
+    #: Backends the agent has and the model was planned for that offer no engine (yet), and
+    #: why: ``building``, ``queued``, ``failed: <error code>``...
+    missing: dict[str, str] = Field(default_factory=dict)
+    #: The same in words.
+    message: str = ""
+
+
 class DesiredModel(BaseModel):
     """One model the control plane wants an agent to serve."""
 
@@ -171,6 +205,9 @@ class DesiredModel(BaseModel):
     #: The agent is admitted to this rollout's new model: it reports the rollout's gates
     #: (``POST /v1/rollouts/{id}/reports``) after loading the engine.
     rollout_id: str | None = None
+    #: Why this engine, when the control plane weighed several (one per backend it planned
+    #: for the agent): schema 1.1.
+    choice: EngineChoice | None = None
 
 
 class DesiredState(BaseModel):

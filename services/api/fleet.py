@@ -7,6 +7,12 @@ model and options, built elsewhere, carrying a compatibility key the node has) â
 (a portable engine of the same model built with other options) â†’ ``none``. Below ``exact``
 the node's own engine is queued, and a portable build too when there is nothing to serve
 meanwhile; the agent moves to the better engine when it lands.
+
+Across backends: a model that more than one of the agent's backends builds (a ``torch.export``
+program: AOTInductor, and onnxruntime through the ONNX exporter) is planned for each of them
+(``choose_backends``), and ``engine_choice.choose_engine`` gives the agent the fastest verified
+engine among them, best tier first; the desired model says why (``choice``). The lookups are
+batched over the backends, so planning issues as many queries for two backends as for one.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from celery import Celery
 from sqlalchemy.orm import Session
@@ -28,6 +34,7 @@ from schemas.deployments import Deployment
 from schemas.fleet import DeploymentCoverage, FleetKey, FleetSummary
 from schemas.options import Portability
 from schemas.rollouts import Rollout
+from services.api.engine_choice import Usable, choose_engine
 from services.api.enqueue import enqueue_jobs
 from services.db import repo
 from services.db.tables import utcnow
@@ -80,6 +87,27 @@ def choose_backend(deployment: Deployment, agent: AgentProfile | AgentInfo, *,
         if key and (takes is None or takes(key)):
             return backend, key
     return None
+
+
+def choose_backends(deployment: Deployment, agent: AgentProfile | AgentInfo, *,
+                    takes: Callable[[str], bool] | None = None,
+                    builds: Callable[[str], bool] | None = None) -> list[tuple[str, str]]:
+    """Every (backend, fingerprint key) the deployment is planned for on this agent, most
+    preferred first: ``choose_backend``'s answer, then the agent's other backends the
+    deployment allows whose key ``builds`` (a live worker builds the model's format there: an
+    ONNX-only backend's key is skipped for a torch program, and a key nobody builds for is not
+    queued on a guess). Empty when ``choose_backend`` finds nothing."""
+    first = choose_backend(deployment, agent, takes=takes)
+    if first is None:
+        return []
+    chosen = [first]
+    if builds is None:
+        return chosen
+    for backend in deployment.options.backends or list(agent.fingerprint_keys):
+        key = agent.fingerprint_keys.get(backend)
+        if key and backend != first[0] and key not in {k for _, k in chosen} and builds(key):
+            chosen.append((backend, key))
+    return chosen
 
 
 _TIER_ORDER = ("exact", "compatible", "fallback", "none")
@@ -161,6 +189,8 @@ class Planner:
         self._served: set[str] | None = None
         self._formats: dict[str, set[str]] | None = None
         self._workers = None
+        #: Every build resolve asked for (new or in flight), for every backend it planned.
+        self.job_ids: set[str] = set()
 
     def served_keys(self) -> set[str]:
         if self._served is None:
@@ -168,12 +198,15 @@ class Planner:
         return self._served
 
     def build(self, model_id: str, options: CompileOptions, key: str, *,
-              newer_than: datetime | None = None) -> CompileJob:
+              newer_than: datetime | None = None,
+              latest: CompileJob | Literal[False] | None = False) -> CompileJob:
         """The newest job for this cache key (created after ``newer_than`` when given), or a
         new one. A failed build is not retried on every heartbeat: its job (error and
-        ``retry_at``) is reported until its backoff has passed, then a new job is queued."""
-        job = repo.latest_job(self.session, model_id=model_id, options_digest=options.digest(),
-                              fingerprint_key=key)
+        ``retry_at``) is reported until its backoff has passed, then a new job is queued.
+        ``latest``: the key's newest job when the caller read it already (``None``: none)."""
+        job = latest if latest is not False else repo.latest_job(
+            self.session, model_id=model_id, options_digest=options.digest(),
+            fingerprint_key=key)
         if (job is not None and (newer_than is None or job.created_at > newer_than)
                 and not self._lost(job)):
             if job.status is not JobStatus.FAILED:
@@ -216,57 +249,103 @@ class Planner:
                     return self.build(model_id, portable_options(options), key)
         return None
 
-    def takes(self, model_id: str) -> Callable[[str], bool]:
-        """Whether a key's live workers build this model's format (unknown keys: yes)."""
+    def _formats_of(self, model_id: str) -> tuple[dict[str, set[str]], str]:
         if self._formats is None:
             self._formats = repo.live_worker_formats(self.session)
-        formats = self._formats
-        model_format = repo.get_model(self.session, model_id=model_id).format
+        return self._formats, repo.get_model(self.session, model_id=model_id).format
+
+    def takes(self, model_id: str) -> Callable[[str], bool]:
+        """Whether a key's live workers build this model's format (unknown keys: yes)."""
+        formats, model_format = self._formats_of(model_id)
         return lambda key: key not in formats or model_format in formats[key]
 
     def resolve(self, deployment: Deployment, agent: AgentProfile) -> DesiredModel | None:
-        choice = choose_backend(deployment, agent, takes=self.takes(deployment.model_id))
-        if choice is None:
+        formats, model_format = self._formats_of(deployment.model_id)
+        pairs = choose_backends(
+            deployment, agent,
+            takes=lambda key: key not in formats or model_format in formats[key],
+            builds=lambda key: model_format in formats.get(key, ()))
+        if not pairs:
             logger.warning("agent %s has no backend for deployment %s (allowed: %s; has %s)",
                            agent.name or f"labelled {agent.labels}", deployment.name,
                            deployment.options.backends or "any",
                            sorted(agent.fingerprint_keys))
             return None
-        backend, key = choice
+        backend, key = pairs[0]
         model_id, digest = deployment.model_id, deployment.options_digest
         desired = DesiredModel(
             deployment=deployment.name, deployment_id=deployment.id,
             generation=deployment.generation, model_id=model_id, options_digest=digest,
             backend=backend, fingerprint_key=key,
         )
-        exact = repo.find_artifact(self.session, model_id=model_id, options_digest=digest,
-                                   fingerprint_key=key)
-        if exact is not None:
-            desired = desired.model_copy(update={"artifact_id": exact.id, "tier": "exact"})
-            if not repo.plugins_current(self.session, artifact_id=exact.id):
+        keys = {b: k for b, k in pairs}
+        # One query for every backend's exact engine, one for the newest jobs of those without.
+        exact = repo.find_artifacts(self.session, model_id=model_id, options_digest=digest,
+                                    fingerprint_keys=list(keys.values()))
+        usable = [Usable(exact[k], "exact") for _, k in pairs if k in exact]
+        jobs: dict[str, CompileJob] = {}
+        current = repo.plugins_current_many(
+            self.session, artifact_ids=[a.id for a in exact.values()])
+        for b, k in pairs:
+            if k in exact and not current.get(exact[k].id, True):
                 # A newer version of a plugin it was built with is registered: the node keeps
                 # this engine while its successor builds, and swaps when that one lands.
-                job = self.build(model_id, deployment.options, key, newer_than=exact.created_at)
-                desired = desired.model_copy(update={"job_id": job.id})
+                jobs[b] = self.build(model_id, deployment.options, k,
+                                     newer_than=exact[k].created_at)
+        missing = [(b, k) for b, k in pairs if k not in exact]
+        latest = repo.latest_jobs(self.session, model_id=model_id, options_digest=digest,
+                                  fingerprint_keys=[k for _, k in missing]) if missing else {}
+        for b, k in missing:
+            jobs[b] = self.build(model_id, deployment.options, k, latest=latest.get(k))
+        self.job_ids.update(job.id for job in jobs.values())
+        if not usable:
+            # Below exact: an engine of another key that runs here, then a portable one.
+            compat = {b: agent.compatibility_keys.get(b, []) for b, _ in pairs}
+            every = sorted({c for keys_ in compat.values() for c in keys_})
+            for tier, options_digest in (("compatible", digest), ("fallback", None)):
+                found = repo.find_compatible_artifacts(
+                    self.session, model_id=model_id, compatibility_keys=every,
+                    options_digest=options_digest)
+                usable = [Usable(a, tier) for a in found
+                          if a.backend in compat and a.compatibility_key in compat[a.backend]]
+                if usable:
+                    break
+            else:
+                self.portable_build(model_id, deployment.options, compat[backend])
+        waiting = {b: _why_missing(jobs.get(b)) for b, _ in pairs
+                   if b not in {u.artifact.backend for u in usable}}
+        picked = choose_engine(usable, [b for b, _ in pairs], missing=waiting)
+        if picked is None:
+            job = jobs.get(backend)
+            if job is not None:
+                desired = desired.model_copy(update={"job_id": job.id,
+                                                     "retry_at": job.retry_at})
             return desired
-
-        job = self.build(model_id, deployment.options, key)
-        desired = desired.model_copy(update={"job_id": job.id, "retry_at": job.retry_at})
-        compat = agent.compatibility_keys.get(backend, [])
-        for tier, options_digest in (("compatible", digest), ("fallback", None)):
-            found = repo.find_compatible_artifact(
-                self.session, model_id=model_id, compatibility_keys=compat,
-                options_digest=options_digest)
-            if found is not None:
-                return desired.model_copy(update={"artifact_id": found.id, "tier": tier})
-        self.portable_build(model_id, deployment.options, compat)
-        return desired
+        chosen, choice = picked
+        backend = chosen.artifact.backend
+        update: dict[str, object] = {
+            "backend": backend, "fingerprint_key": keys.get(backend, key),
+            "artifact_id": chosen.artifact.id, "tier": chosen.tier, "choice": choice}
+        job = jobs.get(backend)
+        if job is not None:  # its own engine (or its successor) is on the way
+            update.update(job_id=job.id, retry_at=job.retry_at if chosen.tier != "exact"
+                          else None)
+        return desired.model_copy(update=update)
 
     def commit(self) -> None:
         self.session.commit()
         # A build the broker refused stays queued; the API's sweep sends it when it is back.
         enqueue_jobs(self.session, self.queue, self.to_enqueue, fail_unsent=False)
         self.to_enqueue.clear()
+
+
+def _why_missing(job: CompileJob | None) -> str:
+    """Why a planned backend offers no engine, in a word or two."""
+    if job is None:
+        return "no build"
+    if job.status is JobStatus.FAILED:
+        return f"failed: {job.error.code if job.error else 'unknown'}"
+    return job.status.value
 
 
 def desired_models(session: Session, queue: Celery, profile: AgentProfile,
@@ -310,10 +389,7 @@ def ensure_builds(session: Session, queue: Celery, deployment: Deployment) -> li
         profile = AgentProfile(labels=labels, fingerprint_keys=keys, compatibility_keys=compat)
         profiles.setdefault(profile.key, profile)
     planner = Planner(session, queue)
-    job_ids = {
-        desired.job_id
-        for profile in profiles.values()
-        if (desired := planner.resolve(deployment, profile)) is not None and desired.job_id
-    }
+    for profile in profiles.values():
+        planner.resolve(deployment, profile)
     planner.commit()
-    return sorted(job_ids)
+    return sorted(planner.job_ids)

@@ -19,6 +19,7 @@ from artifact_store.signing import (
     new_root_metadata,
 )
 from kiln.cli import app as cli
+from schemas.agents import DESIRED_STATE_SCHEMA_VERSION
 from schemas.errors import MetadataRefused, NotFound, SignatureInvalid
 from services.api.app import create_app
 from services.api.auth import Role
@@ -66,7 +67,8 @@ def test_the_api_answers_agents_with_signed_growing_expiring_desired_state(
     versions = [s["version"] for s in states]
     assert versions == sorted(set(versions))  # strictly growing
     for state in states:
-        assert state["agent"] == "edge-1" and state["schema_version"] == "1.0"
+        assert state["agent"] == "edge-1"
+        assert state["schema_version"] == DESIRED_STATE_SCHEMA_VERSION == "1.1"
         expires = datetime.fromisoformat(state["expires"])
         assert timedelta(seconds=100) < expires - datetime.now(UTC) <= timedelta(seconds=120)
 

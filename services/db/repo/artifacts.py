@@ -167,6 +167,25 @@ def find_artifact(
     return _artifact(row) if row is not None else None
 
 
+def find_artifacts(
+    session: Session, *, model_id: str, options_digest: str, fingerprint_keys: list[str],
+) -> dict[str, ArtifactSummary]:
+    """``find_artifact`` for several fingerprint keys in one query: key → its newest ``ready``
+    artifact (keys without one are absent)."""
+    if not fingerprint_keys:
+        return {}
+    stmt = sa.select(ArtifactRow).where(
+        ArtifactRow.model_id == model_id,
+        ArtifactRow.options_digest == options_digest,
+        ArtifactRow.fingerprint_key.in_(sorted(set(fingerprint_keys))),
+        ArtifactRow.state != BROKEN,
+    ).order_by(ArtifactRow.created_at.desc(), ArtifactRow.id)
+    found: dict[str, ArtifactSummary] = {}
+    for row in session.scalars(stmt):
+        found.setdefault(row.fingerprint_key, _artifact(row))
+    return found
+
+
 def ready_keys(session: Session, *, model_ids: set[str]) -> set[tuple[str, str, str]]:
     """(model, options digest, fingerprint key) of every ``ready`` artifact of these models, in
     one query: what ``find_artifact`` would find, for a whole fleet view at once."""
@@ -199,6 +218,31 @@ def find_compatible_artifact(
     stmt = stmt.order_by(ArtifactRow.created_at.desc(), ArtifactRow.id).limit(1)
     row = session.scalars(stmt).first()
     return _artifact(row) if row is not None else None
+
+
+def find_compatible_artifacts(
+    session: Session,
+    *,
+    model_id: str,
+    compatibility_keys: list[str],
+    options_digest: str | None = None,
+) -> list[ArtifactSummary]:
+    """``find_compatible_artifact`` for several backends in one query: the newest artifact of
+    ``model_id`` per backend whose compatibility key is one of ``compatibility_keys``."""
+    if not compatibility_keys:
+        return []
+    stmt = sa.select(ArtifactRow).where(
+        ArtifactRow.model_id == model_id,
+        ArtifactRow.compatibility_key.in_(sorted(set(compatibility_keys))),
+        ArtifactRow.state != BROKEN,
+    )
+    if options_digest is not None:
+        stmt = stmt.where(ArtifactRow.options_digest == options_digest)
+    stmt = stmt.order_by(ArtifactRow.created_at.desc(), ArtifactRow.id)
+    found: dict[str, ArtifactSummary] = {}
+    for row in session.scalars(stmt):
+        found.setdefault(row.backend, _artifact(row))
+    return list(found.values())
 
 
 def get_artifact(session: Session, *, artifact_id: str) -> ArtifactSummary:

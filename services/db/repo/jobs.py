@@ -183,6 +183,25 @@ def latest_job(
     return _job(row) if row is not None else None
 
 
+def latest_jobs(
+    session: Session, *, model_id: str, options_digest: str, fingerprint_keys: list[str],
+) -> dict[str, CompileJob]:
+    """``latest_job`` for several fingerprint keys in one query: key → its newest job (keys
+    without one are absent)."""
+    if not fingerprint_keys:
+        return {}
+    stmt = sa.select(CompileJobRow).where(
+        CompileJobRow.model_id == model_id,
+        CompileJobRow.options_digest == options_digest,
+        CompileJobRow.fingerprint_key.in_(sorted(set(fingerprint_keys))),
+    ).order_by(CompileJobRow.created_at.desc(), CompileJobRow.id)
+    found: dict[str, CompileJob] = {}
+    for row in session.scalars(stmt):
+        if row.fingerprint_key not in found:
+            found[row.fingerprint_key] = _job(row)
+    return found
+
+
 def find_active_job(
     session: Session, *, model_id: str, options_digest: str, fingerprint_key: str
 ) -> CompileJob | None:

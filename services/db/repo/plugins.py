@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 from schemas.errors import Conflict, NotFound
 from schemas.plugins import PluginInfo, PluginManifest, PluginRef, torch_op_name
 from services.db.repo._common import _insert, _require_artifact
-from services.db.tables import PluginRow, utcnow
+from services.db.tables import ArtifactRow, PluginRow, utcnow
 
 
 def _plugin(row: PluginRow) -> PluginInfo:
@@ -68,7 +68,22 @@ def plugins_current(session: Session, *, artifact_id: str) -> bool:
     ops (a newer plugin version makes the artifact stale for new compile requests)."""
     # Asked for every deployment on every agent heartbeat: read the recorded refs only,
     # without validating the whole manifest.
-    refs = _require_artifact(session, artifact_id).manifest.get("plugins") or []
+    return _refs_current(session, _require_artifact(session, artifact_id).manifest)
+
+
+def plugins_current_many(session: Session, *, artifact_ids: list[str]) -> dict[str, bool]:
+    """``plugins_current`` for several artifacts, reading their recorded refs in one query
+    (an unknown id is absent from the answer)."""
+    if not artifact_ids:
+        return {}
+    stmt = sa.select(ArtifactRow.id, ArtifactRow.manifest).where(
+        ArtifactRow.id.in_(sorted(set(artifact_ids))))
+    return {artifact_id: _refs_current(session, recorded)
+            for artifact_id, recorded in session.execute(stmt)}
+
+
+def _refs_current(session: Session, recorded: dict | None) -> bool:
+    refs = (recorded or {}).get("plugins") or []
     for ref in map(PluginRef.model_validate, refs):
         row = session.get(PluginRow, ref.digest)
         if row is None:

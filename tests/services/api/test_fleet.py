@@ -273,3 +273,110 @@ def _dt(text: str):
     from datetime import datetime
 
     return datetime.fromisoformat(text)
+
+
+def _two_backend_node(api, settings, tmp_path, *, ort_formats: list[str]):
+    """A torch program, a live worker building its formats on both keys of a node that has
+    onnxruntime and AOTInductor, and that node registered as ``edge-1``."""
+    from tests.models.torch_programs import tiny_mlp_archive
+
+    aoti = "aoti-cpu-x86-64-v3-torch2.13"
+    pt2 = tiny_mlp_archive(tmp_path / "tiny.pt2")
+    model_id = api.post("/v1/models", files={"file": ("tiny.pt2", pt2.read_bytes())}).json()["id"]
+    factory = make_session_factory(make_engine(settings.database_url))
+    with session_scope(factory) as session:
+        repo.heartbeat_worker(session, name="w", fingerprint_keys=[KEY, aoti], fingerprint=FP,
+                              model_formats={KEY: ort_formats, aoti: ["torch-export"]})
+    response = api.post("/v1/agents", json=registration("edge-1", KEY, {"site": "a"},
+                                                        torch="2.13"))
+    assert response.status_code == 200, response.text
+    return model_id, aoti
+
+
+def _record(settings, model_id: str, key: str, backend: str, p50_ms: float) -> str:
+    factory = make_session_factory(make_engine(settings.database_url))
+    built = manifest(model_id, fingerprint_key=key, p50_ms=p50_ms).model_copy(
+        update={"backend": backend})
+    with session_scope(factory) as session:
+        artifact, _ = repo.record_artifact(session, model_id=model_id, manifest=built)
+    return artifact.id
+
+
+def test_a_torch_program_is_built_by_both_backends_and_the_agent_gets_the_faster(
+        api, settings, tmp_path):
+    model_id, aoti = _two_backend_node(api, settings, tmp_path,
+                                       ort_formats=["onnx", "torch-export"])
+    created = deploy(api, "tiny", model_id, {"site": "a"})
+    assert created.status_code == 201, created.text
+    jobs = created.json()["build_jobs"]
+    assert sorted(api.get(f"/v1/compile-jobs/{j}").json()["fingerprint_key"]
+                  for j in jobs) == sorted([KEY, aoti])
+    assert len(queued_messages(settings)) == 2
+    (desired,) = beat(api, "edge-1")["models"]
+    assert desired["tier"] == "none" and desired["choice"] is None
+    assert len(queued_messages(settings)) == 2  # no second build on a heartbeat
+
+    # AOTInductor lands first: the only engine.
+    aoti_id = _record(settings, model_id, aoti, "aotinductor", p50_ms=0.5)
+    (desired,) = beat(api, "edge-1")["models"]
+    assert (desired["artifact_id"], desired["backend"], desired["fingerprint_key"]) == (
+        aoti_id, "aotinductor", aoti)
+    assert desired["choice"]["reason"] == "only"
+    assert desired["choice"]["missing"] == {"onnxruntime": "queued"}
+    # onnxruntime lands, faster: the agent moves to it, and the state says why.
+    ort_id = _record(settings, model_id, KEY, "onnxruntime", p50_ms=0.2)
+    state = beat(api, "edge-1")
+    assert state["schema_version"] == "1.1"
+    (desired,) = state["models"]
+    assert (desired["artifact_id"], desired["backend"], desired["tier"]) == (
+        ort_id, "onnxruntime", "exact")
+    choice = desired["choice"]
+    assert choice["reason"] == "fastest" and choice["tier"] == "exact"
+    assert [(c["backend"], c["p50_ms"]) for c in choice["candidates"]] == [
+        ("onnxruntime", 0.2), ("aotinductor", 0.5)]
+
+
+def test_an_onnx_only_key_is_not_planned_for_a_program(api, settings, tmp_path):
+    """The node's onnxruntime key is built by workers that take ONNX only: the program is
+    planned for AOTInductor alone."""
+    model_id, aoti = _two_backend_node(api, settings, tmp_path, ort_formats=["onnx"])
+    (job,) = deploy(api, "tiny", model_id, {"site": "a"}).json()["build_jobs"]
+    assert api.get(f"/v1/compile-jobs/{job}").json()["fingerprint_key"] == aoti
+    aoti_id = _record(settings, model_id, aoti, "aotinductor", p50_ms=0.5)
+    (desired,) = beat(api, "edge-1")["models"]
+    assert desired["artifact_id"] == aoti_id and desired["choice"]["reason"] == "only"
+    assert desired["choice"]["missing"] == {}
+
+
+@pytest.mark.parametrize("landed", [False, True])
+def test_planning_two_backends_costs_the_queries_of_one(api, settings, tmp_path, landed):
+    """The lookups are batched over the backends: a heartbeat planning a program for two
+    backends issues as many statements as one planning it for one."""
+    from sqlalchemy import event
+
+    counts = {}
+    for formats in (["onnx"], ["onnx", "torch-export"]):
+        model_id, aoti = _two_backend_node(api, settings, tmp_path / formats[-1],
+                                           ort_formats=formats)
+        assert deploy(api, "tiny", model_id, {"site": "a"}).status_code in (200, 201)
+        if landed:
+            _record(settings, model_id, aoti, "aotinductor", p50_ms=0.5)
+            if len(formats) == 2:
+                _record(settings, model_id, KEY, "onnxruntime", p50_ms=0.2)
+        beat(api, "edge-1")  # every build is queued by now
+        seen: list[str] = []
+
+        def listener(*args, seen=seen) -> None:
+            seen.append(args[2])
+
+        event.listen(api.app.state.engine, "after_cursor_execute", listener)
+        try:
+            (desired,) = beat(api, "edge-1")["models"]
+        finally:
+            event.remove(api.app.state.engine, "after_cursor_execute", listener)
+        # The revocation list is read again once a second, whatever the request.
+        counts[len(formats)] = [s.split("WHERE")[0][:150] for s in seen
+                                if "revoked_tokens" not in s]
+        assert (desired["artifact_id"] is not None) == landed
+        api.delete("/v1/deployments/tiny")
+    assert counts[1] == counts[2], "\n".join(counts[1]) + "\n----\n" + "\n".join(counts[2])
