@@ -46,6 +46,26 @@ def test_a_newer_minor_desired_state_with_unknown_fields_is_accepted(
     assert info.value.code is ErrorCode.INTEGRITY_ERROR
 
 
+def test_desired_state_1_1_carries_the_engine_choice(built: Fixtures, tmp_path: Path) -> None:
+    """1.1 adds ``choice`` to each model; a 1.0 document (an older control plane) still
+    reads."""
+    from schemas.agents import DESIRED_STATE_SCHEMA_VERSION
+
+    assert DESIRED_STATE_SCHEMA_VERSION == "1.1"
+    trust = make(built, tmp_path)
+    document = state(5, schema_version="1.1")
+    document["models"][0]["choice"] = {
+        "reason": "fastest", "tier": "exact", "message": "the lowest recorded p50",
+        "candidates": [{"artifact_id": "a1", "backend": "onnxruntime", "tier": "exact",
+                        "p50_ms": 0.2}], "missing": {}}
+    accepted = trust.verify(envelope(built, document), None)
+    assert accepted.state.models[0].choice.reason == "fastest"
+    older = trust.verify(envelope(built, state(6)), None)  # 1.0: no choice
+    assert older.state.models[0].choice is None
+    # An agent of 1.0 reads a 1.1 state by dropping ``choice``, as any newer minor's field
+    # (test_a_newer_minor_desired_state_with_unknown_fields_is_accepted).
+
+
 def test_the_trust_record_keeps_the_highest_version(built: Fixtures, tmp_path: Path) -> None:
     trust = make(built, tmp_path)
     trust.verify(envelope(built, state(10)), None)
