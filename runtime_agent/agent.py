@@ -553,6 +553,7 @@ class Agent:
             return
         if served is not None and served.artifact_id == artifact_id:
             served.tier = wanted.tier
+            served.choice = _choice(wanted)
             self._report(name, ModelState.SERVING)
             return
         failure = self._failures.get((name, artifact_id))
@@ -576,15 +577,17 @@ class Agent:
             if isinstance(exc, KilnError) and exc.transient and served is None:
                 self._serve_previous(name, artifact_id)
             return
-        old = self.models.put(ServedModel(name, executor, tier=wanted.tier))
+        old = self.models.put(ServedModel(name, executor, tier=wanted.tier,
+                                          choice=_choice(wanted)))
         if old is not None:
             self.cache.unpin(old.artifact_id)
         self._remember_served()
         with self._lock:
             self._failures.pop((name, artifact_id), None)
         self._report(name, ModelState.SERVING)
-        logger.info("%s now serves artifact %s (%s)%s", name, artifact_id, wanted.tier,
-                    f"; replaced {old.artifact_id}" if old else "")
+        logger.info("%s now serves artifact %s (%s)%s%s", name, artifact_id, wanted.tier,
+                    f"; replaced {old.artifact_id}" if old else "",
+                    f"; {wanted.choice.message}" if wanted.choice else "")
 
     def _serve_previous(self, name: str, wanted_id: str) -> None:
         """Serve, for ``name``, the artifact it served before this agent restarted, while the
@@ -856,3 +859,8 @@ def run_agent(settings: AgentSettings) -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
         agent.stop()
+
+
+def _choice(wanted: DesiredModel) -> dict | None:
+    """Why the control plane chose this engine, as ``GET /v1/models`` lists it."""
+    return wanted.choice.model_dump(mode="json") if wanted.choice is not None else None

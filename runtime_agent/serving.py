@@ -61,6 +61,9 @@ class ServedModel:
     executor: Executor
     #: How the control plane resolved the artifact for this node (``exact``, ...).
     tier: str = "exact"
+    #: Why the control plane chose this engine among the node's backends (desired state 1.1:
+    #: ``EngineChoice`` as JSON), when it weighed several.
+    choice: dict | None = None
     stats: LatencyStats = field(default_factory=LatencyStats)
     loaded_at: float = field(default_factory=time.time)
 
@@ -81,6 +84,7 @@ class ServedModel:
             "backend": m.backend,
             "fingerprint_key": m.fingerprint_key,
             "tier": self.tier,
+            "choice": self.choice,
             "inputs": [spec.model_dump() for spec in m.inputs],
             "outputs": [spec.model_dump() for spec in m.outputs],
             "loaded_at": self.loaded_at,
