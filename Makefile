@@ -37,6 +37,7 @@ bench: install
 	$(BIN)/python bench/sandbox.py
 	$(BIN)/python bench/store_verify.py
 	$(BIN)/python bench/ui.py
+	$(BIN)/python bench/crossbackend.py
 
 compose-check:
 	KILN_SECRET_KEY=placeholder POSTGRES_PASSWORD=x MINIO_ROOT_USER=x MINIO_ROOT_PASSWORD=placeholder KILN_AGENT_TOKEN=x KILN_AGENT_SERVE_TOKEN=x KILN_WORKER_TOKEN=x \
