@@ -250,19 +250,17 @@ class Planner:
         return None
 
     def _formats_of(self, model_id: str) -> tuple[dict[str, set[str]], str]:
+        """Key → the formats its live workers build (read once), and this model's format."""
         if self._formats is None:
             self._formats = repo.live_worker_formats(self.session)
         return self._formats, repo.get_model(self.session, model_id=model_id).format
-
-    def takes(self, model_id: str) -> Callable[[str], bool]:
-        """Whether a key's live workers build this model's format (unknown keys: yes)."""
-        formats, model_format = self._formats_of(model_id)
-        return lambda key: key not in formats or model_format in formats[key]
 
     def resolve(self, deployment: Deployment, agent: AgentProfile) -> DesiredModel | None:
         formats, model_format = self._formats_of(deployment.model_id)
         pairs = choose_backends(
             deployment, agent,
+            # The first choice: a key whose live workers build the format, or one no live
+            # worker describes (its job waits for hardware); the others: only the former.
             takes=lambda key: key not in formats or model_format in formats[key],
             builds=lambda key: model_format in formats.get(key, ()))
         if not pairs:
