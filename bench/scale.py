@@ -265,7 +265,11 @@ async def run(args, stack: EmbeddedStack, admin: sa.Engine, db: str,
     me = psutil.Process()
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     timeout = aiohttp.ClientTimeout(total=WAIT_S + 60)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+    # Heartbeats and submissions share a bounded pool of connections: unbounded, each one that
+    # found every connection busy would open another and keep it alive, and one process would
+    # run out of file descriptors (10,000 held long-polls plus as many idle connections).
+    short = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=500), timeout=timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http, short:
         async def deploy(name: str, model_id: str, selector: dict[str, str]) -> float:
             started = time.perf_counter()
             async with http.post(f"{stack.api_url}/v1/deployments", headers=fleet.headers,
@@ -292,7 +296,7 @@ async def run(args, stack: EmbeddedStack, admin: sa.Engine, db: str,
             await asyncio.sleep(0.2)
         console.print(f"{args.agents} agents hold long-polls "
                       f"({time.perf_counter() - ramp:.0f} s after the first)")
-        tasks += [asyncio.create_task(fleet.heartbeats(http, i, HEARTBEAT_S * i / args.agents))
+        tasks += [asyncio.create_task(fleet.heartbeats(short, i, HEARTBEAT_S * i / args.agents))
                   for i in range(args.agents)]
         await asyncio.sleep(2.0)
 
@@ -301,7 +305,7 @@ async def run(args, stack: EmbeddedStack, admin: sa.Engine, db: str,
             phase = Phase(name)
             fleet.phase = phase
             fleet.submitting = submit
-            submitter = (asyncio.create_task(fleet.submissions(http, model_ids[0],
+            submitter = (asyncio.create_task(fleet.submissions(short, model_ids[0],
                                                                args.submit_rate))
                          if submit else None)
             active0, xacts0 = pg_activity(admin, db)
