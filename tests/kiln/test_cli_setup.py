@@ -24,7 +24,9 @@ CONFIG = EXIT_CODES[ErrorCode.CONFIG_ERROR]
 
 
 def kiln(*args: str, env: dict[str, str], cwd: Path, timeout: float = 120):
-    base = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    # Nothing of this process's settings or store credentials leaks in: the S3 fixtures of
+    # other tests put AWS_* into os.environ for the rest of the session.
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "AWS_"))}
     return subprocess.run([sys.executable, "-m", "kiln.cli", *args], env={**base, **env},
                           cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
