@@ -102,14 +102,23 @@ def kiln_stack(request, tmp_path: Path, monkeypatch) -> Iterator[RunningStack]:
     yield from _start(request, tmp_path, "redis-postgres-s3", overrides)
 
 
-@pytest.fixture
-def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[EmbeddedStack]:
-    """The embedded stack (API + one worker process) with agents heartbeating twice a second."""
+def running_stack(request: pytest.FixtureRequest, tmp_path: Path, *,
+                  overrides: dict[str, str] | None = None, **options) -> Iterator[EmbeddedStack]:
+    """For a fixture to ``yield from``: the embedded stack (API + one solo-pool worker) with
+    agents heartbeating twice a second and ``overrides`` on top, stopped afterwards (its logs
+    dumped when the test failed)."""
     stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(), worker_args=["--pool", "solo"],
-                          overrides={"KILN_AGENT_HEARTBEAT_S": "0.5"})
+                          overrides={"KILN_AGENT_HEARTBEAT_S": "0.5", **(overrides or {})},
+                          **options)
     try:
         stack.start()
         yield stack
     finally:
         stack.stop()
         dump_logs_if_failed(request, stack.home)
+
+
+@pytest.fixture
+def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[EmbeddedStack]:
+    """The embedded stack (API + one worker process) with agents heartbeating twice a second."""
+    yield from running_stack(request, tmp_path)

@@ -39,7 +39,7 @@ from kiln.stack import EmbeddedStack
 from runtime_agent.cache import STATE_FILENAME, ArtifactCache
 from tests.conftest import free_port
 from tests.integration.agents import AgentProcess, outputs, reference
-from tests.integration.conftest import dump_logs_if_failed
+from tests.integration.conftest import running_stack
 
 pytestmark = pytest.mark.integration
 
@@ -103,15 +103,7 @@ class SlowLink:
 
 @pytest.fixture
 def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[EmbeddedStack]:
-    stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(), worker_args=["--pool", "solo"],
-                          overrides={"KILN_AGENT_HEARTBEAT_S": "0.5",
-                                     "KILN_ROLLOUT_INTERVAL_S": "0.5"})
-    try:
-        stack.start()
-        yield stack
-    finally:
-        stack.stop()
-        dump_logs_if_failed(request, stack.home)
+    yield from running_stack(request, tmp_path, overrides={"KILN_ROLLOUT_INTERVAL_S": "0.5"})
 
 
 def wait_for(what: str, condition, timeout_s: float, poll_s: float = 0.002):

@@ -15,9 +15,8 @@ import pytest
 
 from kiln.examples import mlp
 from kiln.stack import EmbeddedStack
-from tests.conftest import free_port
 from tests.integration.agents import AgentProcess
-from tests.integration.conftest import dump_logs_if_failed
+from tests.integration.conftest import running_stack
 from tests.integration.test_agent import kiln_cli
 
 pytestmark = pytest.mark.integration
@@ -27,15 +26,7 @@ X = {"x": np.random.default_rng(0).normal(size=(4, 64)).astype(np.float32)}
 
 @pytest.fixture
 def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[EmbeddedStack]:
-    stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(), worker_args=["--pool", "solo"],
-                          overrides={"KILN_AGENT_HEARTBEAT_S": "0.5",
-                                     "KILN_ROLLOUT_INTERVAL_S": "0.5"})
-    try:
-        stack.start()
-        yield stack
-    finally:
-        stack.stop()
-        dump_logs_if_failed(request, stack.home)
+    yield from running_stack(request, tmp_path, overrides={"KILN_ROLLOUT_INTERVAL_S": "0.5"})
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from kiln.stack import EmbeddedStack
 from schemas import CompileOptions, JobStatus
 from services.api.auth import Role, mint_token
 from tests.conftest import free_port, service_missing
-from tests.integration.conftest import dump_logs_if_failed, wait_for_worker
+from tests.integration.conftest import running_stack, wait_for_worker
 
 pytestmark = pytest.mark.integration
 
@@ -57,15 +57,8 @@ def chromium() -> Iterator[object]:
 @pytest.fixture
 def ui_stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[EmbeddedStack]:
     """The embedded stack with one worker and one agent (labels ``site=lab``)."""
-    stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(), worker_args=["--pool", "solo"],
-                          agent_labels="site=lab", agent_port=free_port(),
-                          overrides={"KILN_AGENT_HEARTBEAT_S": "0.5"})
-    try:
-        stack.start()
-        yield stack
-    finally:
-        stack.stop()
-        dump_logs_if_failed(request, stack.home)
+    yield from running_stack(request, tmp_path, agent_labels="site=lab",
+                             agent_port=free_port())
 
 
 def broken_model() -> bytes:
