@@ -81,6 +81,13 @@ class KilnSettings(SharedSettings):
     secret_key: str = DEFAULT_SECRET
     #: Default: a SQLite file under ``home``. Production: ``postgresql+psycopg://...``.
     database_url: str | None = None
+    #: PostgreSQL connections each API process keeps open. Size it to the requests an API
+    #: process serves at once that touch the database (its threadpool runs 40): a request that
+    #: finds every kept connection busy opens one of ``db_max_overflow`` more, and a
+    #: connection opened and closed per request costs PostgreSQL a server process each time.
+    db_pool_size: int = Field(20, ge=1)
+    #: Connections an API process may open beyond ``db_pool_size`` under load.
+    db_max_overflow: int = Field(20, ge=0)
     #: ``file:///abs/dir`` or ``s3://bucket/prefix``. Default: ``home/store``.
     store_uri: str | None = None
     #: The S3 endpoint the control plane uses (default: AWS).
@@ -137,6 +144,10 @@ class KilnSettings(SharedSettings):
     #: the long-polls of the agents concerned (0: never; changes made through this API wake
     #: them at once either way).
     desired_state_recheck_s: float = Field(1.0, ge=0)
+    #: How often the API writes the liveness heartbeats (``Prefer: return=minimal``) it
+    #: received, in one batch, seconds (0: each at once, in its request). A heartbeat is
+    #: answered when recorded; ``last_seen`` lags by at most this (``services/api/liveness.py``).
+    heartbeat_flush_s: float = Field(0.5, ge=0, le=10)
     #: How old the API's copy of the revoked token ids may grow before it reads them again,
     #: seconds. A token revoked through this API process is refused at once; one revoked
     #: through another replica within this time (0: look every token up in the database).

@@ -14,6 +14,7 @@ from schemas.version import KILN_VERSION
 from services.api.desired import DesiredStateHub, Rechecker
 from services.api.errors import install_error_handlers
 from services.api.gate import FrontDoor
+from services.api.liveness import HeartbeatWriter
 from services.api.retention import RetentionThread, retention_policy
 from services.api.revocations import RevocationList
 from services.api.rollouts import RolloutController, Rollouts
@@ -62,7 +63,8 @@ def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = T
     settings.check_secure()  # refuse to start on the default secret outside dev mode
     if run_migrations:
         migrate(settings.database_url)
-    engine = make_engine(settings.database_url)
+    engine = make_engine(settings.database_url, pool_size=settings.db_pool_size,
+                         max_overflow=settings.db_max_overflow)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -87,12 +89,14 @@ def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = T
                                   interval_s=settings.desired_state_recheck_s,
                                   key_id=lambda: app.state.signer.signer().key_id)
             rechecker.start()
+        app.state.heartbeats.start()
         controller = None
         if settings.rollout_interval_s > 0:
             controller = RolloutController(app.state.rollouts,
                                            interval_s=settings.rollout_interval_s)
             controller.start()
         yield
+        app.state.heartbeats.stop()  # what was recorded is written
         if controller is not None:
             controller.stop()
         if rechecker is not None:
@@ -124,6 +128,9 @@ def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = T
     app.state.signer = OnlineSigner(settings.signing_key_path)
     app.state.desired_hub = DesiredStateHub(
         cache_s=settings.desired_state_cache_s if settings.desired_state_recheck_s > 0 else 0)
+    app.state.heartbeats = HeartbeatWriter(app.state.session_factory,
+                                           interval_s=settings.heartbeat_flush_s,
+                                           on_forgotten=app.state.desired_hub.agents_changed)
     app.state.rollouts = Rollouts(app.state.session_factory, app.state.desired_hub)
     app.state.revocations = RevocationList(app.state.session_factory,
                                            refresh_s=settings.revocation_refresh_s)

@@ -54,6 +54,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from schemas.agents import DesiredModel, DesiredState
+from schemas.rollouts import Rollout
+from services.db import repo
 from services.db.repo.artifacts import BROKEN
 from services.db.tables import ArtifactRow, CompileJobRow, DeploymentRow, PluginRow, utcnow
 
@@ -67,6 +69,8 @@ logger = logging.getLogger(__name__)
 RECHECK_OVERLAP = timedelta(seconds=5)
 #: The name of the re-check's thread.
 RECHECK_THREAD = "kiln-desired-recheck"
+#: The most agent profiles a process keeps (about 1 KB each); past it, all are read again.
+MAX_PROFILES = 200_000
 
 
 @dataclass(eq=False)
@@ -213,6 +217,17 @@ class DesiredStateHub:
         self.cache = DesiredStateCache(cache_s)
         self._lock = threading.Lock()
         self._waiters: set[Waiter] = set()
+        #: Agent name → its profile less the rollouts (labels and keys), read once and kept
+        #: until the agent registers again (here, or through another replica: the re-check)
+        #: or its row goes. With the rollouts kept too, a long-poll renewed with nothing
+        #: changed reads nothing from the database. Nothing is kept with ``cache_s`` 0.
+        self._profiles: dict[str, AgentProfile] = {}
+        #: The active rollouts, as last read, and when that read is too old
+        #: (``time.monotonic()``); dropped by every deployment change (a rollout that
+        #: admits or halts touches its deployment) before the waiters concerned wake.
+        self._rollouts: tuple[list[Rollout], float] | None = None
+        #: Bumped by every drop of either: a read that began before one is not kept.
+        self._reads = 0
         #: Deployment id → generation as last seen (by this process's changes or the
         #: re-check), so a change made here is not woken for twice.
         self._generations: dict[str, int] | None = None
@@ -245,7 +260,46 @@ class DesiredStateHub:
 
     def active(self) -> bool:
         """Whether changes must be watched: some agent waits, or something is cached."""
-        return bool(self.waiting() or len(self.cache))
+        return bool(self.waiting() or len(self.cache) or self._profiles)
+
+    # ------------------------------------------------------------ what renewals read
+    def profile(self, name: str, read: Callable[[], AgentProfile]) -> AgentProfile:
+        """The agent's profile less the rollouts: kept, or ``read()`` (in the caller's
+        thread) and kept."""
+        if self.cache.ttl_s <= 0:
+            return read()
+        with self._lock:
+            if (kept := self._profiles.get(name)) is not None:
+                return kept
+            reads = self._reads
+        profile = read()
+        with self._lock:
+            if self._reads == reads:
+                if len(self._profiles) >= MAX_PROFILES:  # bounded, whatever comes and goes
+                    self._profiles.clear()
+                self._profiles[name] = profile
+        return profile
+
+    def rollouts(self, read: Callable[[], list[Rollout]]) -> list[Rollout]:
+        """The active rollouts: kept (at most ``cache_s``), or ``read()`` and kept."""
+        if self.cache.ttl_s <= 0:
+            return read()
+        with self._lock:
+            if self._rollouts is not None and self._rollouts[1] > time.monotonic():
+                return self._rollouts[0]
+            reads = self._reads
+        rollouts = read()
+        with self._lock:
+            if self._reads == reads:
+                self._rollouts = (rollouts, time.monotonic() + self.cache.ttl_s)
+        return rollouts
+
+    def agents_changed(self, names: Iterable[str]) -> None:
+        """These agents registered again (their labels or keys may differ) or are gone."""
+        with self._lock:
+            self._reads += 1
+            for name in names:
+                self._profiles.pop(name, None)
 
     def wake_all(self, why: str) -> int:
         return self._wake(lambda _: True, why)
@@ -272,6 +326,8 @@ class DesiredStateHub:
                     self._generations.pop(deployment_id, None)
                 else:
                     self._generations[deployment_id] = generation
+            self._rollouts = None  # a rollout that admitted or halted touched its deployment
+            self._reads += 1
         self.cache.deployment_changed(deployment_id, selector)  # before anyone recomputes
         return self._wake(
             lambda w: deployment_id in w.deployments
@@ -303,12 +359,20 @@ class DesiredStateHub:
             before, self._generations = self._generations, {k: g for k, (g, _) in now.items()}
         if before is None:  # no baseline: what was cached may predate a change unseen
             self.cache.clear()
+            with self._lock:
+                self._profiles.clear()
+                self._rollouts = None
+                self._reads += 1
         else:
             for deployment_id, (generation, selector) in now.items():
                 if before.get(deployment_id) != generation:
                     self.deployment_changed(deployment_id, selector, generation=generation)
             for deployment_id in before.keys() - now.keys():
                 self.deployment_changed(deployment_id, None)
+        # Agents registered (again) through another replica: their labels or keys may differ.
+        again = repo.registered_since(session, since - RECHECK_OVERLAP)
+        if again:
+            self.agents_changed(again)
         # A job finished just before ``since`` may commit just after the last check: the
         # window overlaps, and jobs already seen are not woken for again.
         rows = [*session.execute(sa.select(CompileJobRow.id, CompileJobRow.model_id).where(

@@ -21,7 +21,7 @@ import json
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Literal
 
@@ -64,9 +64,13 @@ class AgentProfile:
     def of(cls, agent: AgentInfo, rollouts: Iterable[Rollout] = ()) -> AgentProfile:
         return cls(labels=dict(agent.labels), fingerprint_keys=dict(agent.fingerprint_keys),
                    compatibility_keys={k: list(v) for k, v in agent.compatibility_keys.items()},
-                   name=agent.name,
-                   admitted=frozenset(r.id for r in rollouts
-                                      if any(agent.name in c.admitted for c in r.cohorts)))
+                   name=agent.name).admitted_by(rollouts)
+
+    def admitted_by(self, rollouts: Iterable[Rollout]) -> AgentProfile:
+        """This profile with the active ``rollouts`` that admitted its agent."""
+        admitted = frozenset(r.id for r in rollouts
+                             if any(self.name in c.admitted for c in r.cohorts))
+        return self if admitted == self.admitted else replace(self, admitted=admitted)
 
     @property
     def key(self) -> str:

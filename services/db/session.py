@@ -31,19 +31,23 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 _MIGRATE_LOCK = threading.Lock()
 
 
-def make_engine(url: str) -> sa.Engine:
+def make_engine(url: str, *, pool_size: int = 5, max_overflow: int = 10) -> sa.Engine:
     """An engine for ``url``.
 
     SQLite: foreign keys on, WAL journal, a 30 s busy timeout, and SQLAlchemy in charge of
-    ``BEGIN`` (so SAVEPOINTs and transactional DDL work). PostgreSQL: ``pool_pre_ping``.
+    ``BEGIN`` (so SAVEPOINTs and transactional DDL work). PostgreSQL: ``pool_pre_ping``, and
+    ``pool_size`` connections kept open (``max_overflow`` more are opened under load and closed
+    when handed back: a server process forked per request, which a busy API should not pay).
     """
-    return _engine(url, sqlite_foreign_keys=True)
+    return _engine(url, sqlite_foreign_keys=True, pool_size=pool_size, max_overflow=max_overflow)
 
 
-def _engine(url: str, *, sqlite_foreign_keys: bool) -> sa.Engine:
+def _engine(url: str, *, sqlite_foreign_keys: bool, pool_size: int = 5,
+            max_overflow: int = 10) -> sa.Engine:
     sa_url = sa.make_url(url)
     if sa_url.get_backend_name() != "sqlite":
-        return sa.create_engine(sa_url, pool_pre_ping=True)
+        return sa.create_engine(sa_url, pool_pre_ping=True, pool_size=pool_size,
+                                max_overflow=max_overflow)
     engine = sa.create_engine(sa_url)
     pragmas = (
         f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}",

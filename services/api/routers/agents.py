@@ -19,6 +19,7 @@ from schemas.agents import (
     SignedEnvelope,
 )
 from schemas.errors import InvalidRequest
+from schemas.rollouts import Rollout
 from services.api.auth import Role, check_agent
 from services.api.deps import (
     AgentName,
@@ -33,6 +34,7 @@ from services.api.desired import DesiredStateHub
 from services.api.fleet import AgentProfile, desired_models, desired_state
 from services.api.gate import AGENT_PARAM
 from services.api.keys import check_claimed_keys
+from services.api.liveness import HeartbeatWriter
 from services.config import KilnSettings
 from services.db import repo
 from services.signer import OnlineSigner
@@ -59,12 +61,18 @@ def register_agent(
     check_claimed_keys(registration)  # before anything is written or queued
     agent, _first = repo.register_agent(session, registration=registration)
     session.commit()  # whether or not its desired models come from the cache
+    _hub(request).agents_changed([agent.name])  # its labels or keys may have changed
+    _heartbeats(request).known(agent.name)
     return signed(desired_state(session, queue, agent, heartbeat_s=settings.agent_heartbeat_s,
                                 cache=_hub(request).cache), signer, settings)
 
 
 def _hub(request: Request) -> DesiredStateHub:
     return request.app.state.desired_hub
+
+
+def _heartbeats(request: Request) -> HeartbeatWriter:
+    return request.app.state.heartbeats
 
 
 #: ``Prefer: return=minimal`` (RFC 7240) on a heartbeat: liveness only, no desired state.
@@ -75,20 +83,33 @@ _MINIMAL = re.compile(r"(^|[,;\s])return\s*=\s*minimal\b", re.IGNORECASE)
              responses={
     **SIGNED, 204: {"description": "liveness only: the agent sent `Prefer: return=minimal` "
                     "(it follows its desired state by long-poll)"}})
-def heartbeat(
-    name: str, beat: AgentHeartbeat, request: Request, session: SessionDep, queue: QueueDep,
+async def heartbeat(
+    name: str, beat: AgentHeartbeat, request: Request, queue: QueueDep,
     settings: SettingsDep, signer: SignerDep, principal: AgentPrincipal,
     prefer: Annotated[str | None, Header()] = None,
 ) -> Response:
+    """Liveness, and what the agent serves. With ``Prefer: return=minimal`` the answer is a
+    204 as soon as the heartbeat is recorded (``services/api/liveness.py``: written in a batch,
+    or at once for an agent this process has not seen); without it, the signed desired
+    state."""
     check_agent(principal, name)
-    if prefer and _MINIMAL.search(prefer):  # one UPDATE, no read
-        repo.touch_agent(session, name=name, models=beat.models, trust=beat.trust)
-        session.commit()
+    beats = _heartbeats(request)
+    if prefer and _MINIMAL.search(prefer):
+        if not beats.record(name, beat.models, beat.trust):
+            await run_in_threadpool(beats.write_now, name, beat.models, beat.trust)
         return Response(status_code=204, headers={"Preference-Applied": "return=minimal"})
-    agent = repo.agent_heartbeat(session, name=name, models=beat.models, trust=beat.trust)
-    session.commit()
-    return signed(desired_state(session, queue, agent, heartbeat_s=settings.agent_heartbeat_s,
-                                cache=_hub(request).cache), signer, settings)
+
+    def full() -> Response:
+        with request.app.state.session_factory() as session:
+            agent = repo.agent_heartbeat(session, name=name, models=beat.models,
+                                         trust=beat.trust)
+            session.commit()
+            beats.known(name)
+            return signed(desired_state(session, queue, agent,
+                                        heartbeat_s=settings.agent_heartbeat_s,
+                                        cache=_hub(request).cache), signer, settings)
+
+    return await run_in_threadpool(full)
 
 
 #: The digest an agent holds: sha256, hex.
@@ -127,18 +148,25 @@ async def poll_desired_state(
     hub: DesiredStateHub = request.app.state.desired_hub
     session_factory = request.app.state.session_factory
 
+    def read_profile() -> AgentProfile:
+        with session_factory() as session:
+            return AgentProfile.of(repo.get_agent(session, name=name))
+
+    def read_rollouts() -> list[Rollout]:
+        with session_factory() as session:
+            return list(repo.active_rollouts(session).values())
+
     def compute() -> tuple[dict[str, str], DesiredState]:
         # No connection is held while the cache waits for another request's computation of
-        # the same profile (a change wakes thousands of long-polls at once).
-        with session_factory() as session:
-            agent = repo.get_agent(session, name=name)
-            profile = AgentProfile.of(agent, repo.active_rollouts(session).values())
+        # the same profile (a change wakes thousands of long-polls at once). A renewal with
+        # nothing changed finds the profile, the rollouts and the models kept by the hub.
+        profile = hub.profile(name, read_profile).admitted_by(hub.rollouts(read_rollouts))
 
         def models() -> list[DesiredModel]:
             with session_factory() as session:
                 return desired_models(session, queue, profile)
 
-        return agent.labels, DesiredState(agent=name, models=hub.cache.models(profile, models),
+        return profile.labels, DesiredState(agent=name, models=hub.cache.models(profile, models),
                                           heartbeat_s=settings.agent_heartbeat_s)
 
     loop = asyncio.get_running_loop()
@@ -172,10 +200,12 @@ async def poll_desired_state(
 
 
 @router.get("", response_model=list[AgentInfo])
-def list_agents(session: SessionDep, _: ReaderPrincipal) -> list[AgentInfo]:
+def list_agents(request: Request, session: SessionDep, _: ReaderPrincipal) -> list[AgentInfo]:
+    _heartbeats(request).flush(session)  # what this process recorded shows
     return repo.list_agents(session)
 
 
 @router.get("/{name}", response_model=AgentInfo)
-def get_agent(name: AgentName, session: SessionDep) -> AgentInfo:
+def get_agent(name: AgentName, request: Request, session: SessionDep) -> AgentInfo:
+    _heartbeats(request).flush(session)
     return repo.get_agent(session, name=name)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
@@ -86,6 +88,37 @@ def touch_agent(session: Session, *, name: str, models: list[ModelStatus],
         execution_options={"synchronize_session": False})
     if updated.rowcount == 0:
         raise NotFound(f"no agent {name!r}; register with POST /v1/agents first", agent=name)
+
+
+def touch_agents(session: Session, beats: list[dict[str, Any]]) -> int:
+    """Liveness heartbeats in one batch: each ``{"name", "models", "trust", "seen"}`` (models
+    and trust as JSON, ``seen`` when the heartbeat arrived) in one ``UPDATE`` run for them all.
+    A row already newer than ``seen`` (a full heartbeat that came later) is left alone.
+    Returns the rows updated (``-1`` when the driver cannot count an executemany)."""
+    if not beats:
+        return 0
+    table = AgentRow.__table__
+    stmt = (sa.update(table)
+            .where(table.c.name == sa.bindparam("b_name"),
+                   table.c.last_seen <= sa.bindparam("b_seen"))
+            .values(models=sa.bindparam("b_models"), trust=sa.bindparam("b_trust"),
+                    last_seen=sa.bindparam("b_seen")))
+    result = session.execute(stmt, [
+        {"b_name": b["name"], "b_models": b["models"], "b_trust": b["trust"],
+         "b_seen": b["seen"]} for b in beats])
+    return result.rowcount
+
+
+def missing_agents(session: Session, names: Iterable[str]) -> set[str]:
+    """Those of ``names`` that have no row (never registered, or forgotten by retention)."""
+    wanted = set(names)
+    found = set(session.scalars(sa.select(AgentRow.name).where(AgentRow.name.in_(wanted))))
+    return wanted - found
+
+
+def registered_since(session: Session, since: datetime) -> list[str]:
+    """The agents that registered (or registered again) after ``since``."""
+    return list(session.scalars(sa.select(AgentRow.name).where(AgentRow.registered_at > since)))
 
 
 def selected_agent_keys(session: Session, *, selector: dict[str, str], alive_only: bool = True,
