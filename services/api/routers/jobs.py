@@ -43,13 +43,11 @@ def create_compile_jobs(
     request: CompileJobCreate, session: SessionDep, queue: QueueDep, store: StoreDep,
     _: AdminPrincipal, http: Request,
 ) -> CompileJobBatch:
-    request = request.model_copy(
-        update={"model_id": repo.resolve_id(session, "model", request.model_id)})
-    model = repo.get_model(session, model_id=request.model_id)  # 404 before any write
+    model = repo.lookup_model(session, request.model_id)  # 404 before any write
+    request = request.model_copy(update={"model_id": model.id})
     repo.check_compile_datasets(session, model=model, options=request.options)
     digest = request.options.digest()
-    served = repo.live_worker_keys(session)
-    formats = repo.live_worker_formats(session)
+    served, formats = repo.live_workers(session)
     refused = {key: sorted(formats[key]) for key in dict.fromkeys(
         t.fingerprint_key for t in request.targets)
         if key in formats and model.format not in formats[key]}
@@ -64,14 +62,14 @@ def create_compile_jobs(
     to_enqueue: list[CompileJob] = []
     found_broken = False
     for key in dict.fromkeys(t.fingerprint_key for t in request.targets):  # dedupe, keep order
-        cached = repo.find_artifact(
+        cached = repo.find_current_artifact(
             session, model_id=request.model_id, options_digest=digest, fingerprint_key=key
         )
-        if cached is not None and repo.plugins_current(session, artifact_id=cached.id):
+        if cached is not None:
             if usable_artifact(session, store, cached.id):
                 jobs.append(repo.create_cached_job(
                     session, model_id=request.model_id, options=request.options,
-                    fingerprint_key=key, artifact_id=cached.id,
+                    fingerprint_key=key, artifact_id=cached.id, read=True,
                 ))
                 continue
             found_broken = True
@@ -95,7 +93,10 @@ def create_compile_jobs(
     failure = enqueue_jobs(session, queue, to_enqueue)
     if failure is not None:
         raise failure
-    batch = CompileJobBatch(jobs=[repo.get_job(session, job_id=j.id) for j in jobs])
+    # Only the jobs just queued changed since they were read (the enqueue marks them).
+    queued = {j.id for j in to_enqueue}
+    batch = CompileJobBatch(jobs=[repo.get_job(session, job_id=j.id) if j.id in queued else j
+                                  for j in jobs])
     # Hand the connection back before the answer waits for a thread to be serialized in:
     # held across that wait, a burst of submissions would hold every pooled connection
     # while the threads that could serialize them wait for one.

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 from schemas.errors import Conflict, InvalidRequest, NotFound
 from schemas.manifest import ArtifactManifest, ArtifactSummary, BlobRef
 from services.db.repo._common import _check_limit, _insert, _require_artifact, _require_model
+from services.db.repo.plugins import refs_current
 from services.db.tables import (
     AgentRow,
     ArtifactRow,
@@ -165,6 +166,24 @@ def find_artifact(
     stmt = stmt.order_by(ArtifactRow.created_at.desc(), ArtifactRow.id).limit(1)
     row = session.scalars(stmt).first()
     return _artifact(row) if row is not None else None
+
+
+def find_current_artifact(
+    session: Session, *, model_id: str, options_digest: str, fingerprint_key: str,
+) -> ArtifactSummary | None:
+    """``find_artifact``, and only when every plugin it was built with is still the newest one
+    providing its ops (``plugins_current``), in one read of the artifact: what a compile
+    request may be answered with from the cache."""
+    stmt = sa.select(ArtifactRow).where(
+        ArtifactRow.model_id == model_id,
+        ArtifactRow.options_digest == options_digest,
+        ArtifactRow.fingerprint_key == fingerprint_key,
+        ArtifactRow.state != BROKEN,
+    ).order_by(ArtifactRow.created_at.desc(), ArtifactRow.id).limit(1)
+    row = session.scalars(stmt).first()
+    if row is None or not refs_current(session, row.manifest):
+        return None
+    return _artifact(row)
 
 
 def find_artifacts(

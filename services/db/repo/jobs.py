@@ -114,10 +114,14 @@ def create_cached_job(
     options: CompileOptions,
     fingerprint_key: str,
     artifact_id: str,
+    read: bool = False,
 ) -> CompileJob:
-    """A job answered from an existing artifact: already ``succeeded``, ``cache_hit=True``."""
-    _require_model(session, model_id)
-    _require_artifact(session, artifact_id)
+    """A job answered from an existing artifact: already ``succeeded``, ``cache_hit=True``.
+    ``read``: the caller read the model and the artifact in this transaction, so they are not
+    looked up again (the foreign keys still hold)."""
+    if not read:
+        _require_model(session, model_id)
+        _require_artifact(session, artifact_id)
     row = _new_job(model_id, options, fingerprint_key)
     row.status = JobStatus.SUCCEEDED.value
     row.stage = JobStage.DONE.value

@@ -10,7 +10,13 @@ from sqlalchemy.orm import Session
 from schemas.errors import InvalidRequest
 from schemas.manifest import TensorSpec
 from schemas.models import ModelInfo
-from services.db.repo._common import _SHA256, _check_limit, _insert, _require_model
+from services.db.repo._common import (
+    _SHA256,
+    _check_limit,
+    _insert,
+    _require_model,
+    resolve_id,
+)
 from services.db.tables import ModelRow, utcnow
 
 log = logging.getLogger(__name__)
@@ -76,6 +82,15 @@ def upsert_model(
 def get_model(session: Session, *, model_id: str) -> ModelInfo:
     """The model ``model_id``; ``NotFound`` when there is none."""
     return _model_info(_require_model(session, model_id))
+
+
+def lookup_model(session: Session, value: str) -> ModelInfo:
+    """The model whose id is ``value`` (one read) or, failing that, the only one whose id
+    starts with it (``resolve_id``: ``NotFound``, or ``AmbiguousId``)."""
+    row = session.get(ModelRow, value)
+    if row is None:
+        row = _require_model(session, resolve_id(session, "model", value))
+    return _model_info(row)
 
 
 def get_model_blob_key(session: Session, *, model_id: str) -> str:

@@ -68,7 +68,7 @@ def plugins_current(session: Session, *, artifact_id: str) -> bool:
     ops (a newer plugin version makes the artifact stale for new compile requests)."""
     # Asked for every deployment on every agent heartbeat: read the recorded refs only,
     # without validating the whole manifest.
-    return _refs_current(session, _require_artifact(session, artifact_id).manifest)
+    return refs_current(session, _require_artifact(session, artifact_id).manifest)
 
 
 def plugins_current_many(session: Session, *, artifact_ids: list[str]) -> dict[str, bool]:
@@ -78,11 +78,13 @@ def plugins_current_many(session: Session, *, artifact_ids: list[str]) -> dict[s
         return {}
     stmt = sa.select(ArtifactRow.id, ArtifactRow.manifest).where(
         ArtifactRow.id.in_(sorted(set(artifact_ids))))
-    return {artifact_id: _refs_current(session, recorded)
+    return {artifact_id: refs_current(session, recorded)
             for artifact_id, recorded in session.execute(stmt)}
 
 
-def _refs_current(session: Session, recorded: dict | None) -> bool:
+def refs_current(session: Session, recorded: dict | None) -> bool:
+    """Whether the plugins a recorded manifest (JSON) names are each still the newest one
+    providing its ops."""
     refs = (recorded or {}).get("plugins") or []
     for ref in map(PluginRef.model_validate, refs):
         row = session.get(PluginRow, ref.digest)

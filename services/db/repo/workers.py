@@ -101,21 +101,33 @@ def instance_alive(session: Session, *, name: str | None, instance: str | None) 
     return _alive(row)
 
 
+def live_workers(session: Session) -> tuple[set[str], dict[str, set[str]]]:
+    """In one query of the few columns it needs: the fingerprint keys that at least one live
+    worker consumes, and key → the model formats live workers build under it (keys whose
+    workers say nothing about formats are left out)."""
+    keys: set[str] = set()
+    formats: dict[str, set[str]] = {}
+    now = utcnow()
+    rows = session.execute(sa.select(WorkerRow.fingerprint_keys, WorkerRow.model_formats,
+                                     WorkerRow.last_seen, WorkerRow.heartbeat_s)
+                           .where(sa.not_(WorkerRow.stopped)))
+    for fingerprint_keys, model_formats, last_seen, heartbeat_s in rows:
+        if now - last_seen < worker_ttl(heartbeat_s):
+            keys.update(fingerprint_keys)
+            for key, names in (model_formats or {}).items():
+                formats.setdefault(key, set()).update(names)
+    return keys, formats
+
+
 def live_worker_keys(session: Session) -> set[str]:
     """The fingerprint keys that at least one live worker consumes."""
-    return {key for worker in list_workers(session) if worker.alive
-            for key in worker.fingerprint_keys}
+    return live_workers(session)[0]
 
 
 def live_worker_formats(session: Session) -> dict[str, set[str]]:
     """Fingerprint key → the model formats live workers build under it (keys whose workers
     say nothing about formats are left out)."""
-    formats: dict[str, set[str]] = {}
-    for worker in list_workers(session):
-        if worker.alive:
-            for key, names in worker.model_formats.items():
-                formats.setdefault(key, set()).update(names)
-    return formats
+    return live_workers(session)[1]
 
 
 def release_waiting_jobs(session: Session, *, fingerprint_keys: list[str]) -> int:
