@@ -11,13 +11,14 @@ revokes one.
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Callable
 from enum import StrEnum
 
 import jwt
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from schemas.agents import AGENT_NAME_PATTERN
 from schemas.errors import Forbidden, InvalidRequest, Unauthenticated
@@ -28,6 +29,8 @@ DEFAULT_TOKEN_TTL_S = 30 * 24 * 3600
 #: Clock skew tolerated on ``exp`` and ``iat``, seconds.
 LEEWAY_S = 30
 _REQUIRED = ["sub", "iat", "iss", "exp", "jti", "role"]
+#: Verified tokens each process keeps (``_verified``).
+TOKEN_CACHE_SIZE = 16384
 #: A worker token's ``keys`` entry admitting every fingerprint key.
 ANY_KEY = "*"
 #: Most fingerprint keys one worker token may name.
@@ -42,6 +45,8 @@ class Role(StrEnum):
 
 
 class Principal(BaseModel):
+    model_config = ConfigDict(frozen=True)  # one instance answers every request of a token
+
     subject: str
     role: Role
     #: The token's id (what ``kiln token revoke`` names).
@@ -100,9 +105,23 @@ def decode_token(secret: str, authorization: str | None) -> Principal:
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthenticated("expected 'Authorization: Bearer <token>'")
+    principal = _verified(secret, token.strip())
+    if principal.expires_at + LEEWAY_S < time.time():  # verified earlier, expired since
+        raise Unauthenticated("token expired: mint a new one (`kiln token create`)",
+                              reason="expired")
+    return principal
+
+
+@functools.lru_cache(maxsize=TOKEN_CACHE_SIZE)
+def _verified(secret: str, token: str) -> Principal:
+    """The principal of a token whose signature, issuer and claims verify. A token is sent
+    on every request (10,000 agents heartbeat and long-poll with theirs), and verifying it
+    again gives the same answer, so each process keeps the last ``TOKEN_CACHE_SIZE`` it
+    verified; a failure is never kept. Expiry is the caller's to check each time, and
+    revocation too."""
     try:
         claims = jwt.decode(
-            token.strip(), secret, algorithms=["HS256"], issuer=ISSUER, leeway=LEEWAY_S,
+            token, secret, algorithms=["HS256"], issuer=ISSUER, leeway=LEEWAY_S,
             options={"require": _REQUIRED},
         )
     except jwt.ExpiredSignatureError as exc:

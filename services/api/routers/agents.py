@@ -150,7 +150,9 @@ async def poll_desired_state(
 
     def read_profile() -> AgentProfile:
         with session_factory() as session:
-            return AgentProfile.of(repo.get_agent(session, name=name))
+            profile = AgentProfile.of(repo.get_agent(session, name=name))
+        _heartbeats(request).known(name)  # its row exists: its heartbeats can wait for a batch
+        return profile
 
     def read_rollouts() -> list[Rollout]:
         with session_factory() as session:

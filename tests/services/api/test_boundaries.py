@@ -285,6 +285,20 @@ def test_401_reasons(app):
     assert forged["details"]["reason"] == "signature"
 
 
+def test_a_token_verified_earlier_is_refused_once_it_expires(app, monkeypatch):
+    """Each process keeps the tokens it verified (one per agent, sent on every request);
+    their expiry is still judged on every request."""
+    from services.api import auth
+
+    token = mint_token(SECRET, role=Role.READER, subject="r", ttl_s=60)
+    assert call(app, "GET", "/v1/models", f"Bearer {token}")[0] == 200
+    assert auth._verified.cache_info().currsize >= 1
+    later = time.time() + 60 + auth.LEEWAY_S + 1
+    monkeypatch.setattr(auth.time, "time", lambda: later)
+    status, body, _ = call(app, "GET", "/v1/models", f"Bearer {token}")
+    assert status == 401 and body["details"]["reason"] == "expired", body
+
+
 def test_revoking_a_token_refuses_it_from_then_on(api):
     token = mint_token(SECRET, role=Role.WORKER, subject="w", ttl_s=600, keys=["*"])
     claims = jwt.decode(token, SECRET, algorithms=["HS256"], issuer=ISSUER)
