@@ -1,4 +1,5 @@
-"""A fleet against one ``kiln api`` process on PostgreSQL (Redis as the broker, a local store):
+"""A fleet against ``kiln api`` on PostgreSQL (Redis as the broker, a local store), served by
+``--api-processes`` processes (default 2: one per core of a 2-core machine):
 N simulated agents (default 10,000) that each hold a long-poll of their desired state and send a
 liveness heartbeat (``Prefer: return=minimal``) every 30 s, spread evenly, while clients submit
 an already built model (answered from the cache) at a steady rate (default 200/s).
@@ -20,12 +21,14 @@ database in the phase), divided by the heartbeats of the phase: an upper bound o
 share, since long-poll renewals and submissions are in it too.
 
     .venv/bin/python bench/scale.py [--agents 10000] [--submit-rate 200] [--phase-s 30]
+                                    [--api-processes 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -185,7 +188,35 @@ class Fleet:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def one_at_a_time(http: aiohttp.ClientSession, fleet: Fleet, api: psutil.Process,
+class ApiProcesses:
+    """``kiln api`` and the processes it serves with: CPU and memory summed over them."""
+
+    def __init__(self, parent: psutil.Process) -> None:
+        self.parent = parent
+        self._seen: dict[int, psutil.Process] = {}
+
+    def all(self) -> list[psutil.Process]:
+        for child in self.parent.children(recursive=True):
+            self._seen.setdefault(child.pid, child)
+        return [self.parent, *self._seen.values()]
+
+    def cpu(self) -> float:
+        """User + system seconds of them all."""
+        total = 0.0
+        for process in self.all():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                total += sum(process.cpu_times()[:2])
+        return total
+
+    def rss(self) -> int:
+        total = 0
+        for process in self.all():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                total += process.memory_info().rss
+        return total
+
+
+async def one_at_a_time(http: aiohttp.ClientSession, fleet: Fleet, api: ApiProcesses,
                         model_id: str, n: int) -> list[tuple[str, list[float], float]]:
     """Each kind of request ``n`` times, one at a time, on the idle API: (what, seconds per
     request, API CPU seconds per request). Where a request's cost goes before any load."""
@@ -210,7 +241,7 @@ async def one_at_a_time(http: aiohttp.ClientSession, fleet: Fleet, api: psutil.P
     rows = []
     for what, (method, path, body, headers) in kinds.items():
         samples = []
-        cpu0 = sum(api.cpu_times()[:2])
+        cpu0 = api.cpu()
         for _ in range(n):
             started = time.perf_counter()
             async with http.request(method, fleet.url + path, data=body,
@@ -219,7 +250,7 @@ async def one_at_a_time(http: aiohttp.ClientSession, fleet: Fleet, api: psutil.P
                 if r.status >= 300 and r.status != 204:
                     raise RuntimeError(f"{what}: {r.status} {await r.text()}")
             samples.append(time.perf_counter() - started)
-        rows.append((what, samples, (sum(api.cpu_times()[:2]) - cpu0) / n))
+        rows.append((what, samples, (api.cpu() - cpu0) / n))
     return rows
 
 
@@ -261,7 +292,7 @@ async def run(args, stack: EmbeddedStack, admin: sa.Engine, db: str,
               model_ids: list[str]) -> tuple[list[Phase], Fleet, float, list]:
     names = [f"agent-{i:05d}" for i in range(args.agents)]
     fleet = Fleet(stack.api_url, stack.token or "", names)
-    api = psutil.Process(stack.processes[0].pid)
+    api = ApiProcesses(psutil.Process(stack.processes[0].pid))
     me = psutil.Process()
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     timeout = aiohttp.ClientTimeout(total=WAIT_S + 60)
@@ -309,12 +340,12 @@ async def run(args, stack: EmbeddedStack, admin: sa.Engine, db: str,
                                                                args.submit_rate))
                          if submit else None)
             active0, xacts0 = pg_activity(admin, db)
-            api_cpu0, own_cpu0 = sum(api.cpu_times()[:2]), sum(me.cpu_times()[:2])
+            api_cpu0, own_cpu0 = api.cpu(), sum(me.cpu_times()[:2])
             phase.started = time.perf_counter()
             change_s = None
             while time.perf_counter() - phase.started < args.phase_s:
                 await asyncio.sleep(1.0)
-                phase.api_rss.append(api.memory_info().rss)
+                phase.api_rss.append(api.rss())
                 if submit and change_s is None and (
                         time.perf_counter() - phase.started >= args.phase_s / 2):
                     fleet.changed_at = time.perf_counter()
@@ -322,7 +353,7 @@ async def run(args, stack: EmbeddedStack, admin: sa.Engine, db: str,
             phase.ended = time.perf_counter()
             console.print(f"phase {name}: {len(phase.heartbeats)} heartbeats, "
                           f"{len(phase.submissions)} submissions, errors {phase.errors}")
-            phase.api_cpu_s = sum(api.cpu_times()[:2]) - api_cpu0
+            phase.api_cpu_s = api.cpu() - api_cpu0
             phase.own_cpu_s = sum(me.cpu_times()[:2]) - own_cpu0
             if submitter is not None:
                 fleet.submitting = False
@@ -347,7 +378,7 @@ def pct(samples: list[float], q: float) -> float:
 def report(args, phases: list[Phase], fleet: Fleet, change_s: float, costs: list) -> None:
     cores = os.cpu_count()
     table = Table(title=f"One request at a time on the idle API ({args.cost_requests} each; "
-                        f"CPU: the API process's user + system time per request)")
+                        f"CPU: the API processes' user + system time per request)")
     for col in ("request", "p50 ms", "p99 ms", "spread (max/min)", "API CPU ms / request",
                 "vs /healthz"):
         table.add_column(col, justify="right")
@@ -358,7 +389,8 @@ def report(args, phases: list[Phase], fleet: Fleet, change_s: float, costs: list
                       f"{cpu / base:.1f}x")
     console.print(table)
 
-    table = Table(title=f"{args.agents} agents on one `kiln api` process (PostgreSQL, Redis), "
+    table = Table(title=f"{args.agents} agents on `kiln api` with {args.api_processes} "
+                        f"process(es) (PostgreSQL, Redis), "
                         f"heartbeats every {HEARTBEAT_S:g} s, long-polls of {WAIT_S:g} s; "
                         f"{cores} cores shared by the API, PostgreSQL and this load generator")
     for col in ("phase", "s", "requests", "rate /s", "p50 ms", "p99 ms", "max ms",
@@ -377,8 +409,8 @@ def report(args, phases: list[Phase], fleet: Fleet, change_s: float, costs: list
                           ", ".join(f"{k}: {v}" for k, v in phase.errors.items()) or "0")
     console.print(table)
 
-    table = Table(title="Cost: the API process, PostgreSQL, and the load generator beside them")
-    for col in ("phase", "API CPU % (100 = a core)", "API RSS MiB (median [max])",
+    table = Table(title="Cost: the API processes, PostgreSQL, and the load generator beside them")
+    for col in ("phase", "API CPU % (100 = a core; all processes)", "API RSS MiB (median [max])",
                 "long-poll renewals /s", "DB active ms / heartbeat (all statements)",
                 "DB transactions / heartbeat", "load generator CPU %"):
         table.add_column(col, justify="right")
@@ -410,6 +442,8 @@ def report(args, phases: list[Phase], fleet: Fleet, change_s: float, costs: list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agents", type=int, default=10_000)
+    parser.add_argument("--api-processes", type=int, default=2,
+                        help="processes `kiln api` serves with (KILN_API_PROCESSES)")
     parser.add_argument("--submit-rate", type=float, default=200.0)
     parser.add_argument("--phase-s", type=float, default=30.0)
     parser.add_argument("--cost-requests", type=int, default=300,
@@ -435,7 +469,7 @@ def main() -> None:
         home = Path(tmp) / "kiln"
         stack = EmbeddedStack(home=home, port=free_port(), workers=0, overrides={
             "KILN_DATABASE_URL": database_url, "KILN_BROKER_URL": REDIS,
-            "KILN_LOG_LEVEL": "WARNING"})
+            "KILN_LOG_LEVEL": "WARNING", "KILN_API_PROCESSES": str(args.api_processes)})
         try:
             stack.prepare()
             model_ids = seed(database_url, (home / "store").as_uri(), home / "signing.key",

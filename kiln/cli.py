@@ -110,30 +110,35 @@ def _with_datasets(client: KilnClient, options: CompileOptions, *, samples: Path
 def api(
     host: Annotated[str | None, typer.Option()] = None,
     port: Annotated[int | None, typer.Option()] = None,
+    processes: Annotated[int | None, typer.Option(
+        min=1, max=64, help="processes serving the port (default: KILN_API_PROCESSES)")] = None,
 ) -> None:
     """Run the control-plane API."""
     import uvicorn
 
     from services.api.app import create_app
     from services.config import get_settings
+    from services.db import migrate
 
     settings = get_settings()
+    if processes is not None and processes != settings.api_processes:
+        os.environ["KILN_API_PROCESSES"] = str(processes)  # the processes read it too
+        get_settings.cache_clear()
+        settings = get_settings()
     _logging(settings.log_level)
     _start_up(settings, "api", production=settings.env != "dev")
     from services.preflight import preflight
 
     preflight(settings)  # the broker answers, the store exists: else stop, naming the fix
-    application = create_app(settings)
+    config = dict(host=host or settings.api_host, port=port or settings.api_port,
+                  log_level=settings.log_level.lower())
+    if settings.api_processes == 1:
+        uvicorn.run(create_app(settings), **config)
+        return
+    from services.api.processes import serve
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: object) -> None:
-            # Held long-polls answer now: uvicorn waits for open requests before it stops.
-            application.state.desired_hub.close()
-            super().handle_exit(sig, frame)  # type: ignore[arg-type]
-
-    Server(uvicorn.Config(application, host=host or settings.api_host,
-                          port=port or settings.api_port,
-                          log_level=settings.log_level.lower())).run()
+    migrate(settings.database_url)  # once, before the processes start
+    raise typer.Exit(serve(settings.api_processes, **config))
 
 
 @app.command()

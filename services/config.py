@@ -140,10 +140,18 @@ class KilnSettings(SharedSettings):
     #: (`GET /v1/agents/{name}/desired-state?wait=`) is held open, seconds.
     desired_state_max_wait_s: float = Field(60.0, gt=0, le=600)
     #: How often the API re-reads what changes agents' desired state behind its back, seconds:
-    #: deployments changed through another API replica and builds workers finished. It wakes
-    #: the long-polls of the agents concerned (0: never; changes made through this API wake
-    #: them at once either way).
-    desired_state_recheck_s: float = Field(1.0, ge=0)
+    #: deployments changed through another API process or replica and builds workers
+    #: finished. It wakes the long-polls of the agents concerned (0: never; changes made
+    #: through the same process wake them at once either way). Default: 1 with one API
+    #: process, 0.1 with several (``KILN_API_PROCESSES``), so that a deployment made through
+    #: one reaches the agents the others hold within about 0.1 s. Replicas on several hosts
+    #: want 0.1 too.
+    desired_state_recheck_s: float | None = Field(None, ge=0)
+    #: Processes `kiln api` serves with (uvicorn workers sharing its port): a Python process
+    #: uses one core, and a large fleet's heartbeats, long-polls and submissions want more.
+    #: Each process keeps its own caches and background threads; they agree through the
+    #: database (rows are claimed with `SKIP LOCKED`, long-polls wake through the re-check).
+    api_processes: int = Field(1, ge=1, le=64)
     #: How often the API writes the liveness heartbeats (``Prefer: return=minimal``) it
     #: received, in one batch, seconds (0: each at once, in its request). A heartbeat is
     #: answered when recorded; ``last_seen`` lags by at most this (``services/api/liveness.py``).
@@ -228,6 +236,8 @@ class KilnSettings(SharedSettings):
             self.signing_key_path = home / "signing.key"
         if self.api_docs is None:
             self.api_docs = self.env == "dev"
+        if self.desired_state_recheck_s is None:
+            self.desired_state_recheck_s = 1.0 if self.api_processes == 1 else 0.1
         if self.root_key_path is None:
             self.root_key_path = home / "root.key"
         if self.trust_dir is None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import signal
+import threading
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from types import FrameType
 
 from celery import Celery
 from fastapi import FastAPI
@@ -58,6 +61,35 @@ def public_paths(app: FastAPI) -> frozenset[str]:
     return PUBLIC_PATHS | {path for path in docs if path}
 
 
+def app_from_environment() -> FastAPI:
+    """The app of one of several `kiln api` processes (uvicorn's factory, in each process
+    it spawns): the settings from the environment, the schema migrated by the parent."""
+    settings = get_settings()
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return create_app(settings, run_migrations=False)
+
+
+def _answer_long_polls_on_exit(hub: DesiredStateHub) -> Callable[[], None]:
+    """uvicorn waits for open requests before it stops, and a held long-poll is open for up
+    to a minute: on SIGTERM or SIGINT, they answer now (then uvicorn's own handler runs).
+    Returns what puts the previous handlers back. Only the main thread can set handlers (a
+    test client runs the app in another: nothing to do)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(sig: int, frame: FrameType | None) -> None:
+        hub.close()
+        chained = previous[signal.Signals(sig)]
+        if callable(chained):
+            chained(sig, frame)
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    return lambda: [signal.signal(sig, h) for sig, h in previous.items()]  # type: ignore[func-returns-value]
+
+
 def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = True) -> FastAPI:
     settings = settings or get_settings()
     settings.check_secure()  # refuse to start on the default secret outside dev mode
@@ -90,12 +122,14 @@ def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = T
                                   key_id=lambda: app.state.signer.signer().key_id)
             rechecker.start()
         app.state.heartbeats.start()
+        restore_signals = _answer_long_polls_on_exit(app.state.desired_hub)
         controller = None
         if settings.rollout_interval_s > 0:
             controller = RolloutController(app.state.rollouts,
                                            interval_s=settings.rollout_interval_s)
             controller.start()
         yield
+        restore_signals()
         app.state.heartbeats.stop()  # what was recorded is written
         if controller is not None:
             controller.stop()

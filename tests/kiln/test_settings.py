@@ -149,3 +149,12 @@ def test_a_worker_is_started_with_none_of_the_control_planes_or_an_agents_secret
     kept = worker_environment(env)
     assert kept == {k: env[k] for k in ("PATH", "HOME", "KILN_BROKER_URL", "KILN_WORKER_TOKEN",
                                           "KILN_WORKER_API_URL", "KILN_LOG_LEVEL")}
+
+
+def test_several_api_processes_recheck_desired_state_ten_times_a_second(tmp_path: Path) -> None:
+    """A deployment made through one API process reaches the long-polls another holds through
+    the re-check: with several processes it looks every 0.1 s unless told otherwise."""
+    assert KilnSettings(home=tmp_path).desired_state_recheck_s == 1.0
+    assert KilnSettings(home=tmp_path, api_processes=2).desired_state_recheck_s == 0.1
+    assert KilnSettings(home=tmp_path, api_processes=4,
+                        desired_state_recheck_s=0.5).desired_state_recheck_s == 0.5

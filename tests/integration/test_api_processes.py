@@ -1,0 +1,115 @@
+"""`kiln api` with several processes (``KILN_API_PROCESSES``) on PostgreSQL: the processes
+share the port; a deployment made through one reaches the long-polls every process holds
+within the re-check (0.1 s by default with several processes), and a SIGTERM answers the held
+long-polls at once instead of waiting a minute for them."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from kiln.examples import mlp
+from kiln.stack import EmbeddedStack
+from tests.conftest import free_port
+from tests.integration.conftest import dump_logs_if_failed
+from tests.services.api.conftest import registration
+
+pytestmark = pytest.mark.integration
+
+KEY = "ort-cpu-x86-64-v3-ort1.32"
+#: Held long-polls: with two processes accepting on one socket, all sixteen land on the same
+#: one about once in 30,000 runs.
+AGENTS = 16
+
+
+@pytest.fixture
+def stack(request, tmp_path: Path, postgres_url: str, redis_url: str) -> Iterator[EmbeddedStack]:
+    stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(), workers=0, overrides={
+        "KILN_DATABASE_URL": postgres_url, "KILN_BROKER_URL": redis_url,
+        "KILN_API_PROCESSES": "2"})
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+        dump_logs_if_failed(request, stack.home)
+
+
+def serving_processes(stack: EmbeddedStack) -> list[psutil.Process]:
+    """The processes uvicorn spawned to serve the port."""
+    parent = psutil.Process(stack.processes[0].pid)
+    return [p for p in parent.children(recursive=True)
+            if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in
+            " ".join(p.cmdline())]
+
+
+def test_a_deployment_through_one_process_reaches_the_long_polls_all_processes_hold(stack):
+    assert len(serving_processes(stack)) == 2
+    headers = {"Authorization": f"Bearer {stack.token}"}
+    with httpx.Client(base_url=stack.api_url, headers=headers, timeout=30) as api:
+        model_id = api.post("/v1/models", files={"file": ("mlp.onnx", mlp().SerializeToString())}
+                            ).raise_for_status().json()["id"]
+        digests = {}
+        for i in range(AGENTS):
+            name = f"n{i:02d}"
+            api.post("/v1/agents", json=registration(name, KEY, {"site": "a"})
+                     ).raise_for_status()
+            digests[name] = api.get(f"/v1/agents/{name}/desired-state").headers["ETag"].strip('"')
+
+        answered: dict[str, tuple[int, float]] = {}
+
+        def hold(name: str) -> None:
+            # One connection each, so the kernel spreads them over the processes.
+            with httpx.Client(base_url=stack.api_url, headers=headers, timeout=40) as own:
+                r = own.get(f"/v1/agents/{name}/desired-state",
+                            params={"after": digests[name], "wait": 30})
+                answered[name] = (r.status_code, time.monotonic())
+
+        threads = [threading.Thread(target=hold, args=(n,)) for n in digests]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.5)  # every long-poll held
+        assert answered == {}
+        deployed = time.monotonic()
+        api.post("/v1/deployments", json={"name": "d", "model_id": model_id,
+                                          "selector": {"site": "a"}}).raise_for_status()
+        for thread in threads:
+            thread.join(20)
+    assert sorted(answered) == sorted(digests)
+    assert {status for status, _ in answered.values()} == {200}
+    slowest = max(at for _, at in answered.values()) - deployed
+    assert slowest < 0.6, f"the last held long-poll answered {slowest:.2f} s after the deployment"
+
+
+def test_sigterm_answers_held_long_polls_and_stops_every_process(stack):
+    headers = {"Authorization": f"Bearer {stack.token}"}
+    with httpx.Client(base_url=stack.api_url, headers=headers, timeout=30) as api:
+        api.post("/v1/agents", json=registration("n1", KEY)).raise_for_status()
+        digest = api.get("/v1/agents/n1/desired-state").headers["ETag"].strip('"')
+    answers: list[int] = []
+
+    def hold() -> None:
+        with httpx.Client(base_url=stack.api_url, headers=headers, timeout=40) as own:
+            answers.append(own.get("/v1/agents/n1/desired-state",
+                                   params={"after": digest, "wait": 60}).status_code)
+
+    threads = [threading.Thread(target=hold) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.5)
+    children = serving_processes(stack)
+    started = time.monotonic()
+    os.killpg(stack.processes[0].pid, 15)
+    stack.processes[0].wait(20)
+    for thread in threads:
+        thread.join(20)
+    assert time.monotonic() - started < 10
+    assert answers == [204] * 6
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
