@@ -8,7 +8,7 @@ Engines, compiled by Kiln's pipeline in this process (``compile_model``):
   by ``torch.onnx.export`` with its defaults, as ``bench/engines.py`` builds it), batch 1,
   ``tune="off"`` (the backend's default configuration) to keep the build short.
 
-Latency tables (median \\[min–max] per call; ratio and added time against the peer named in the
+Latency tables (median \\[p10–p90] per call; ratio and added time against the peer named in the
 row, measured in the same run):
 
 - the bare onnxruntime session on the engine file, with the engine's own session settings
@@ -19,8 +19,14 @@ row, measured in the same run):
   IOBinding); both against the bare session;
 - ``kiln.torch.load()`` eager and inside ``torch.compile(fullgraph=True)``, on torch tensors,
   against ``kiln.runtime``;
-- MLP only: an agent inference server (REST and gRPC, in a child process, as a deployment runs
-  it) through unmodified tritonclient: HTTP JSON, HTTP binary, gRPC, against ``kiln.runtime``.
+- an agent inference server (REST and gRPC, in a child process, as a deployment runs it)
+  through unmodified tritonclient: HTTP JSON (MLP only), HTTP binary, gRPC, against
+  ``kiln.runtime``; and the gRPC floor beside them: a bare ``GRPCInferenceService`` servicer in
+  the same process and the same kind of grpcio server, running the same onnxruntime session
+  with no checks, metrics or token. The row "gRPC, against the floor" is what Kiln's handler
+  adds; the floor's own distance from ``kiln.runtime`` is tritonclient, grpcio on both sides
+  and the engine answering in a server process (where its weights have left the caches
+  between requests).
 
 The in-process paths run in alternating blocks (``--block`` calls each, the order reversed every
 round) rather than call by call: onnxruntime's intra-op threads spin for a while after each run,
@@ -54,7 +60,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from _common import console, fmt, free_port
+from _common import console, free_port
 from rich.table import Table
 
 from kiln.examples import mlp
@@ -62,6 +68,8 @@ from schemas import CompileOptions
 
 WIDTH = 1024
 CLIENTS = 8
+FLOOR = "gRPC floor: bare servicer, same session (tritonclient)"
+GRPC_OVER_FLOOR = "gRPC (tritonclient), against the floor"
 
 
 def serve(artifact: str, http_port: int, grpc_port: int) -> None:
@@ -78,10 +86,46 @@ def serve(artifact: str, http_port: int, grpc_port: int) -> None:
     http.start()
     grpc = GrpcServer(models, app.state.metrics, "127.0.0.1", grpc_port, workers=CLIENTS)
     grpc.start()
-    print("ready", flush=True)
+    floor = _floor_server(models.get("m"), CLIENTS)
+    print(f"ready {floor.port}", flush=True)
     sys.stdin.read()
+    floor.stop(None)  # type: ignore[attr-defined]
     grpc.stop()
     http.stop()
+
+
+def _floor_server(model: object, workers: int) -> object:
+    """The floor of the gRPC row: a bare ``GRPCInferenceService`` from the same generated code
+    in the same kind of server (grpcio's thread pool), whose ``ModelInfer`` runs the engine's
+    onnxruntime session on the raw input and answers its raw output, and nothing else: no
+    checks, no metrics, no token. What tritonclient, grpcio and the engine cost together; the
+    agent's gRPC row minus this one is what Kiln's handler adds."""
+    from concurrent import futures
+
+    import grpc
+
+    from runtime_agent.protocol import grpc_predict_v2_pb2 as pb
+    from runtime_agent.protocol import grpc_predict_v2_pb2_grpc as pb_grpc
+
+    session = model.executor.session  # type: ignore[attr-defined]
+    spec = model.manifest.inputs[0]  # type: ignore[attr-defined]
+    output = model.manifest.outputs[0].name  # type: ignore[attr-defined]
+
+    class Floor(pb_grpc.GRPCInferenceServiceServicer):
+        def ModelInfer(self, request, context):
+            x = np.frombuffer(request.raw_input_contents[0], np.float32).reshape(
+                tuple(request.inputs[0].shape))
+            y = session.run(None, {spec.name: x})[0]
+            response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+            response.outputs.add(name=output, datatype="FP32", shape=list(y.shape))
+            response.raw_output_contents.append(y.tobytes())
+            return response
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(Floor(), server)
+    server.port = server.add_insecure_port("127.0.0.1:0")  # type: ignore[attr-defined]
+    server.start()
+    return server
 
 
 class Server:
@@ -93,7 +137,10 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--serve", str(artifact), str(self.http_port),
              str(self.grpc_port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+        assert self.proc.stdout is not None
+        ready, floor_port = self.proc.stdout.readline().split()
+        assert ready == "ready"
+        self.floor_port = int(floor_port)
 
     def http_call(self, binary: bool) -> Callable[[], np.ndarray]:
         import tritonclient.http as httpclient
@@ -110,10 +157,12 @@ class Server:
             return client.infer("m", tensors, outputs=[out]).as_numpy(self.output)
         return call
 
-    def grpc_call(self) -> Callable[[], np.ndarray]:
+    def grpc_call(self, floor: bool = False) -> Callable[[], np.ndarray]:
+        """tritonclient's gRPC infer against the agent's server (``floor``: the bare one)."""
         import tritonclient.grpc as grpcclient
 
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{self.grpc_port}")
+        port = self.floor_port if floor else self.grpc_port
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
 
         def call() -> np.ndarray:
             tensors = []
@@ -252,6 +301,12 @@ def compile_floor(x: np.ndarray) -> dict[str, Callable[[], object]]:
     return {"eager x + 1": under(lambda t: t + 1), "torch.compile(x + 1)": under(compiled)}
 
 
+def spread(values: list[float], unit: float, suffix: str) -> str:
+    """median \\[10th–90th percentile]: on a shared machine the extremes are preemptions."""
+    p10, p50, p90 = np.percentile(values, [10, 50, 90]) * unit
+    return f"{p50:.1f} {suffix} \\[{p10:.1f}–{p90:.1f}]"
+
+
 def latency_table(title: str, samples: dict[str, list[float]], peers: dict[str, str],
                   unit: float, suffix: str) -> None:
     table = Table(title=title)
@@ -261,10 +316,10 @@ def latency_table(title: str, samples: dict[str, list[float]], peers: dict[str, 
         median = statistics.median(values)
         peer = peers.get(name)
         if peer is None:
-            table.add_row(name, fmt(values, unit, suffix, 1), "—", "", "")
+            table.add_row(name, spread(values, unit, suffix), "—", "", "")
             continue
         base = statistics.median(samples[peer])
-        table.add_row(name, fmt(values, unit, suffix, 1), peer, f"{median / base:.3f}×",
+        table.add_row(name, spread(values, unit, suffix), peer, f"{median / base:.3f}×",
                       f"{(median - base) * unit:+.1f} {suffix}")
     console.print(table)
 
@@ -276,6 +331,24 @@ def compile_dir(model: bytes, options: CompileOptions, out: Path) -> Path:
     result = compile_model(model, options, fingerprint=detect_fingerprint(),
                            workdir=out.with_name(out.name + "-work"))
     return write_artifact_dir(result, out)
+
+
+def cached_compile(model: bytes, options: CompileOptions, cache: Path | None,
+                   out: Path) -> Path:
+    """``compile_dir``, kept in ``cache`` under its artifact id (the digest of the model, the
+    options, this machine's fingerprint key and the toolchain) when a cache is given."""
+    if cache is None:
+        return compile_dir(model, options, out)
+    import hashlib
+
+    from compiler_worker.pipeline import plan_build
+    from runtime_agent.fingerprint import detect_fingerprint
+
+    plan = plan_build(hashlib.sha256(model).hexdigest(), options, detect_fingerprint())
+    artifact = cache / f"engine-{plan.artifact_id}"
+    if not (artifact / "manifest.json").is_file():
+        compile_dir(model, options, artifact)
+    return artifact
 
 
 def main(args: argparse.Namespace) -> None:
@@ -293,16 +366,20 @@ def main(args: argparse.Namespace) -> None:
         try:
             remote = {"HTTP JSON (tritonclient)": server.http_call(False),
                       "HTTP binary (tritonclient)": server.http_call(True),
-                      "gRPC (tritonclient)": server.grpc_call()}
-            np.testing.assert_allclose(remote["gRPC (tritonclient)"](), paths[
-                "bare onnxruntime session"]()[0], rtol=1e-5, atol=1e-5)
+                      "gRPC (tritonclient)": server.grpc_call(),
+                      FLOOR: server.grpc_call(floor=True)}
+            for name in ("gRPC (tritonclient)", FLOOR):
+                np.testing.assert_allclose(remote[name](), paths[
+                    "bare onnxruntime session"]()[0], rtol=1e-5, atol=1e-5)
             samples = blocks(paths, args.rounds, args.block)
-            samples.update(blocks(remote, max(2, args.rounds // 2), args.block // 2))
+            samples.update(blocks(remote, args.rounds, args.block))
         finally:
             server.close()
         peers.update({name: "kiln.runtime run()" for name in remote})
+        samples[GRPC_OVER_FLOOR] = samples["gRPC (tritonclient)"]
+        peers[GRPC_OVER_FLOOR] = FLOOR
         latency_table(f"MLP {WIDTH}→{WIDTH}→{WIDTH}, batch 1: {args.rounds} blocks of "
-                      f"{args.block} calls per in-process path, median \\[min–max]",
+                      f"{args.block} calls per in-process path, median \\[p10–p90]",
                       samples, peers, 1e6, "µs")
 
         # ------------------------------------------- per-call overhead on a tiny engine
@@ -318,7 +395,7 @@ def main(args: argparse.Namespace) -> None:
         tiny_paths.update(compile_floor(tiny_feed["x"]))
         tiny_peers["torch.compile(x + 1)"] = "eager x + 1"
         latency_table(f"per-call overhead, MLP 8→8→8, batch 1: {args.rounds} blocks of "
-                      f"{args.block * 5} calls, median \\[min–max]",
+                      f"{args.block * 5} calls, median \\[p10–p90]",
                       blocks(tiny_paths, args.rounds, args.block * 5), tiny_peers, 1e6, "µs")
 
         # ---------------------------------------------------------------- ResNet-50
@@ -327,26 +404,32 @@ def main(args: argparse.Namespace) -> None:
         started = time.perf_counter()
         resnet = exported("resnet50", args.cache or work / "exports")
         blob = model_blob(resnet.path, work / "resnet-blob").read_bytes()
-        artifact = compile_dir(blob, CompileOptions(tune="off", benchmark_iterations=3),
-                               work / "resnet50")
-        console.print(f"ResNet-50 exported and compiled in {time.perf_counter() - started:.0f} s")
+        artifact = cached_compile(blob, CompileOptions(tune="off", benchmark_iterations=3),
+                                  args.cache, work / "resnet50")
+        console.print(f"ResNet-50 exported and compiled (or found in the cache) in "
+                      f"{time.perf_counter() - started:.0f} s")
         image = dict(resnet.architecture.inputs)
         output = _first_output(artifact)
         paths, peers = in_process_paths(artifact, image, output)
         server = Server(artifact, image, output)
         try:
             remote = {"HTTP binary (tritonclient)": server.http_call(True),
-                      "gRPC (tritonclient)": server.grpc_call()}
+                      "gRPC (tritonclient)": server.grpc_call(),
+                      FLOOR: server.grpc_call(floor=True)}
             per_block = max(3, args.block // 20)
             samples = blocks({**paths, **remote}, args.rounds, per_block, skip=2)
             peers.update({name: "kiln.runtime run()" for name in remote})
+            samples[GRPC_OVER_FLOOR] = samples["gRPC (tritonclient)"]
+            peers[GRPC_OVER_FLOOR] = FLOOR
             latency_table(f"ResNet-50, batch 1 (224×224): {args.rounds} blocks of {per_block} "
-                          f"calls per path, median \\[min–max]", samples, peers, 1e3, "ms")
+                          f"calls per path, median \\[p10–p90]", samples, peers, 1e3, "ms")
             loaded = paths_engine(artifact)
             rates = {
                 "in-process (kiln.runtime, 8 threads)": throughput(
                     lambda: lambda: loaded.run(image), args.seconds),
                 "gRPC (tritonclient, 8 clients)": throughput(server.grpc_call, args.seconds),
+                "gRPC floor: bare servicer (tritonclient, 8 clients)": throughput(
+                    lambda: server.grpc_call(floor=True), args.seconds),
                 "HTTP binary (tritonclient, 8 clients)": throughput(
                     lambda: server.http_call(True), args.seconds),
             }
@@ -384,7 +467,7 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--mlp-only", action="store_true", help="the MLP table only")
     parser.add_argument("--cache", type=Path, default=None,
-                        help="where ResNet-50's export is kept between runs")
+                        help="where ResNet-50's export and engine are kept between runs")
     began = time.perf_counter()
     main(parser.parse_args())
     console.print(f"total {time.perf_counter() - began:.0f} s")
