@@ -18,7 +18,9 @@ row, measured in the same run):
   onnxruntime's allocator), and with ``out=`` (the caller's buffers, bound through an
   IOBinding); both against the bare session;
 - ``kiln.torch.load()`` eager and inside ``torch.compile(fullgraph=True)``, on torch tensors,
-  against ``kiln.runtime``;
+  against ``kiln.runtime``; on the 8-wide engine also the compiled row against the eager one,
+  beside ``torch.compile`` of ``x + 1`` against eager ``x + 1`` (what torch.compile's guards and
+  wrappers cost any compiled function: the floor under the compiled row);
 - an agent inference server (REST and gRPC, in a child process, as a deployment runs it)
   through unmodified tritonclient: HTTP JSON (MLP only), HTTP binary, gRPC, against
   ``kiln.runtime``; and the gRPC floor beside them: a bare ``GRPCInferenceService`` servicer in
@@ -70,6 +72,8 @@ WIDTH = 1024
 CLIENTS = 8
 FLOOR = "gRPC floor: bare servicer, same session (tritonclient)"
 GRPC_OVER_FLOOR = "gRPC (tritonclient), against the floor"
+#: torch.compile's own share of the compiled row, beside what it adds to ``x + 1``.
+COMPILE_OVER_EAGER = "kiln.torch in torch.compile, against kiln.torch eager"
 
 
 def serve(artifact: str, http_port: int, grpc_port: int) -> None:
@@ -394,9 +398,13 @@ def main(args: argparse.Namespace) -> None:
         tiny_paths, tiny_peers = in_process_paths(tiny, tiny_feed, "y")
         tiny_paths.update(compile_floor(tiny_feed["x"]))
         tiny_peers["torch.compile(x + 1)"] = "eager x + 1"
+        tiny_samples = blocks(tiny_paths, args.rounds, args.block * 5)
+        compiled = "kiln.torch in torch.compile(fullgraph)"
+        tiny_samples[COMPILE_OVER_EAGER] = tiny_samples[compiled]
+        tiny_peers[COMPILE_OVER_EAGER] = "kiln.torch module, eager"
         latency_table(f"per-call overhead, MLP 8→8→8, batch 1: {args.rounds} blocks of "
                       f"{args.block * 5} calls, median \\[p10–p90]",
-                      blocks(tiny_paths, args.rounds, args.block * 5), tiny_peers, 1e6, "µs")
+                      tiny_samples, tiny_peers, 1e6, "µs")
 
         # ---------------------------------------------------------------- ResNet-50
         if args.mlp_only:
