@@ -37,12 +37,16 @@ other's spinning threads — calling two sessions in strict alternation measures
 not the code path (on a 2-core machine it doubled the bare session's time). The first calls of
 each block are not timed for the same reason.
 
-Throughput (ResNet-50): 8 concurrent clients for ``--seconds`` each, in-process (8 threads on one
-``kiln.runtime`` engine) and against the agent's gRPC and HTTP-binary servers (8 tritonclient
-clients, one per thread); the engine has the same thread settings in both processes and the
-client process only waits on sockets. Requests per second and their ratio to in-process.
+Throughput (ResNet-50): 8 concurrent clients, in-process (8 threads on one ``kiln.runtime``
+engine) and against the agent's gRPC (and the gRPC floor's) and HTTP-binary servers (8
+tritonclient clients, one per thread); the engine has the same thread settings in both
+processes and the client process only waits on sockets. ``--seconds`` per path, split into
+``--throughput-rounds`` alternating blocks (the order reversed every round): requests per second,
+and their ratio to in-process, of the medians and per block against the in-process block of the
+same round.
 
-    .venv/bin/python bench/serving.py [--rounds 8 --block 100 --seconds 10 --cache DIR]
+    .venv/bin/python bench/serving.py [--rounds 8 --block 100 --seconds 12 --throughput-rounds 4
+                                       --cache DIR]
     .venv/bin/python bench/serving.py --mlp-only
 
 (tritonclient's gRPC messages and the server's share protobuf names, so the server runs in
@@ -71,6 +75,7 @@ from schemas import CompileOptions
 WIDTH = 1024
 CLIENTS = 8
 FLOOR = "gRPC floor: bare servicer, same session (tritonclient)"
+IN_PROCESS = "in-process (kiln.runtime, 8 threads)"
 GRPC_OVER_FLOOR = "gRPC (tritonclient), against the floor"
 #: torch.compile's own share of the compiled row, beside what it adds to ``x + 1``.
 COMPILE_OVER_EAGER = "kiln.torch in torch.compile, against kiln.torch eager"
@@ -424,7 +429,7 @@ def main(args: argparse.Namespace) -> None:
             remote = {"HTTP binary (tritonclient)": server.http_call(True),
                       "gRPC (tritonclient)": server.grpc_call(),
                       FLOOR: server.grpc_call(floor=True)}
-            per_block = max(3, args.block // 20)
+            per_block = max(5, args.block // 10)
             samples = blocks({**paths, **remote}, args.rounds, per_block, skip=2)
             peers.update({name: "kiln.runtime run()" for name in remote})
             samples[GRPC_OVER_FLOOR] = samples["gRPC (tritonclient)"]
@@ -432,25 +437,44 @@ def main(args: argparse.Namespace) -> None:
             latency_table(f"ResNet-50, batch 1 (224×224): {args.rounds} blocks of {per_block} "
                           f"calls per path, median \\[p10–p90]", samples, peers, 1e3, "ms")
             loaded = paths_engine(artifact)
-            rates = {
-                "in-process (kiln.runtime, 8 threads)": throughput(
-                    lambda: lambda: loaded.run(image), args.seconds),
-                "gRPC (tritonclient, 8 clients)": throughput(server.grpc_call, args.seconds),
-                "gRPC floor: bare servicer (tritonclient, 8 clients)": throughput(
-                    lambda: server.grpc_call(floor=True), args.seconds),
-                "HTTP binary (tritonclient, 8 clients)": throughput(
-                    lambda: server.http_call(True), args.seconds),
-            }
+            block_s = args.seconds / args.throughput_rounds
+            rates = throughput_rounds({
+                IN_PROCESS: lambda: lambda: loaded.run(image),
+                "gRPC (tritonclient, 8 clients)": server.grpc_call,
+                "gRPC floor: bare servicer (tritonclient, 8 clients)":
+                    lambda: server.grpc_call(floor=True),
+                "HTTP binary (tritonclient, 8 clients)": lambda: server.http_call(True),
+            }, args.throughput_rounds, block_s)
         finally:
             server.close()
-        base = rates["in-process (kiln.runtime, 8 threads)"]
-        table = Table(title=f"ResNet-50, batch 1: {CLIENTS} concurrent clients for "
-                            f"{args.seconds:g} s each")
-        for col in ("path", "requests/s", "of in-process"):
+        base = rates[IN_PROCESS]
+        table = Table(title=f"ResNet-50, batch 1: {CLIENTS} concurrent clients, "
+                            f"{args.throughput_rounds} alternating blocks of {block_s:g} s per "
+                            f"path")
+        for col in ("path", "requests/s, median \\[min–max]", "of in-process (medians)",
+                    "of in-process, per block \\[min–max]"):
             table.add_column(col)
-        for name, rate in rates.items():
-            table.add_row(name, f"{rate:.2f}", f"{rate / base:.1%}")
+        for name, values in rates.items():
+            paired = [rate / ref for rate, ref in zip(values, base, strict=True)]
+            table.add_row(name, f"{statistics.median(values):.2f} \\[{min(values):.2f}–"
+                                f"{max(values):.2f}]",
+                          f"{statistics.median(values) / statistics.median(base):.1%}",
+                          f"{statistics.median(paired):.1%} \\[{min(paired):.1%}–"
+                          f"{max(paired):.1%}]")
         console.print(table)
+
+
+def throughput_rounds(paths: dict[str, Callable[[], Callable[[], object]]], rounds: int,
+                      seconds: float) -> dict[str, list[float]]:
+    """``throughput`` of each path, in ``rounds`` alternating blocks of ``seconds`` (the
+    order reversed every round): a shared machine's load moves between blocks, and each
+    block is compared with the in-process block next to it."""
+    rates: dict[str, list[float]] = {name: [] for name in paths}
+    order = list(paths)
+    for round_ in range(rounds):
+        for name in order if round_ % 2 == 0 else order[::-1]:
+            rates[name].append(throughput(paths[name], seconds))
+    return rates
 
 
 def paths_engine(artifact: Path) -> object:
@@ -472,7 +496,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--block", type=int, default=100)
-    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--seconds", type=float, default=12.0,
+                        help="throughput: seconds per path, split over --throughput-rounds")
+    parser.add_argument("--throughput-rounds", type=int, default=4)
     parser.add_argument("--mlp-only", action="store_true", help="the MLP table only")
     parser.add_argument("--cache", type=Path, default=None,
                         help="where ResNet-50's export and engine are kept between runs")
