@@ -8,8 +8,11 @@ Engines, compiled by Kiln's pipeline in this process (``compile_model``):
   by ``torch.onnx.export`` with its defaults, as ``bench/engines.py`` builds it), batch 1,
   ``tune="off"`` (the backend's default configuration) to keep the build short.
 
-Latency tables (median \\[p10–p90] per call; ratio and added time against the peer named in the
-row, measured in the same run):
+Latency tables (median \\[p10–p90] per call; ratio and added time of the medians against the
+peer named in the row, measured in the same run, and the added time paired by round: each
+round's block median minus the peer's of the same round, median \\[min–max] over the rounds —
+on a shared machine the load moves between rounds, and pairing compares blocks timed close
+together):
 
 - the bare onnxruntime session on the engine file, with the engine's own session settings
   (``runtime_config``: optimization level, thread counts, execution mode) — the same thread
@@ -317,20 +320,34 @@ def spread(values: list[float], unit: float, suffix: str) -> str:
 
 
 def latency_table(title: str, samples: dict[str, list[float]], peers: dict[str, str],
-                  unit: float, suffix: str) -> None:
+                  unit: float, suffix: str, block: int) -> None:
+    """One row per path: its latency, and against its peer the ratio and added time of the
+    medians, and the added time paired by round (each round's block median minus the peer's
+    block median of the same round: on a shared machine whose load moves between rounds, the
+    figure that compares like with like), median \\[min–max] over the rounds."""
     table = Table(title=title)
-    for col in ("path", "latency", "compared with", "ratio", "added (median)"):
+    for col in ("path", "latency", "compared with", "ratio", "added (medians)",
+                "added, paired by round"):
         table.add_column(col)
     for name, values in samples.items():
         median = statistics.median(values)
         peer = peers.get(name)
         if peer is None:
-            table.add_row(name, spread(values, unit, suffix), "—", "", "")
+            table.add_row(name, spread(values, unit, suffix), "—", "", "", "")
             continue
         base = statistics.median(samples[peer])
+        paired = [(a - b) * unit for a, b in zip(_block_medians(values, block),
+                                                  _block_medians(samples[peer], block),
+                                                  strict=True)]
         table.add_row(name, spread(values, unit, suffix), peer, f"{median / base:.3f}×",
-                      f"{(median - base) * unit:+.1f} {suffix}")
+                      f"{(median - base) * unit:+.1f} {suffix}",
+                      f"{statistics.median(paired):+.1f} \\[{min(paired):+.1f}–"
+                      f"{max(paired):+.1f}] {suffix}")
     console.print(table)
+
+
+def _block_medians(values: list[float], block: int) -> list[float]:
+    return [statistics.median(values[i:i + block]) for i in range(0, len(values), block)]
 
 
 def compile_dir(model: bytes, options: CompileOptions, out: Path) -> Path:
@@ -389,7 +406,7 @@ def main(args: argparse.Namespace) -> None:
         peers[GRPC_OVER_FLOOR] = FLOOR
         latency_table(f"MLP {WIDTH}→{WIDTH}→{WIDTH}, batch 1: {args.rounds} blocks of "
                       f"{args.block} calls per in-process path, median \\[p10–p90]",
-                      samples, peers, 1e6, "µs")
+                      samples, peers, 1e6, "µs", args.block)
 
         # ------------------------------------------- per-call overhead on a tiny engine
         # On the 1024-wide MLP each call spends ~200 µs in onnxruntime and its spinning
@@ -409,7 +426,7 @@ def main(args: argparse.Namespace) -> None:
         tiny_peers[COMPILE_OVER_EAGER] = "kiln.torch module, eager"
         latency_table(f"per-call overhead, MLP 8→8→8, batch 1: {args.rounds} blocks of "
                       f"{args.block * 5} calls, median \\[p10–p90]",
-                      tiny_samples, tiny_peers, 1e6, "µs")
+                      tiny_samples, tiny_peers, 1e6, "µs", args.block * 5)
 
         # ---------------------------------------------------------------- ResNet-50
         if args.mlp_only:
@@ -429,13 +446,16 @@ def main(args: argparse.Namespace) -> None:
             remote = {"HTTP binary (tritonclient)": server.http_call(True),
                       "gRPC (tritonclient)": server.grpc_call(),
                       FLOOR: server.grpc_call(floor=True)}
-            per_block = max(5, args.block // 10)
-            samples = blocks({**paths, **remote}, args.rounds, per_block, skip=2)
+            # Short blocks and many rounds: a call takes tens of milliseconds, and the
+            # machine's load moves less between two blocks of a round the shorter they are.
+            per_block, rounds = 4, args.rounds * 3
+            samples = blocks({**paths, **remote}, rounds, per_block, skip=1)
             peers.update({name: "kiln.runtime run()" for name in remote})
             samples[GRPC_OVER_FLOOR] = samples["gRPC (tritonclient)"]
             peers[GRPC_OVER_FLOOR] = FLOOR
-            latency_table(f"ResNet-50, batch 1 (224×224): {args.rounds} blocks of {per_block} "
-                          f"calls per path, median \\[p10–p90]", samples, peers, 1e3, "ms")
+            latency_table(f"ResNet-50, batch 1 (224×224): {rounds} blocks of {per_block} "
+                          f"calls per path, median \\[p10–p90]", samples, peers, 1e3, "ms",
+                          per_block)
             loaded = paths_engine(artifact)
             block_s = args.seconds / args.throughput_rounds
             rates = throughput_rounds({
