@@ -40,6 +40,11 @@ other's spinning threads — calling two sessions in strict alternation measures
 not the code path (on a 2-core machine it doubled the bare session's time). The first calls of
 each block are not timed for the same reason.
 
+Transport of a 224×224 image: ResNet-50's input through HTTP binary and gRPC to an engine that
+does no work (it slices 1000 values of the image), against ``kiln.runtime`` on it: the
+protocols' cost for the image apart from the engine, whose time in a server process on a
+loaded machine moves by more than the transports cost.
+
 Throughput (ResNet-50): 8 concurrent clients, in-process (8 threads on one ``kiln.runtime``
 engine) and against the agent's gRPC (and the gRPC floor's) and HTTP-binary servers (8
 tritonclient clients, one per thread); the engine has the same thread settings in both
@@ -377,6 +382,49 @@ def cached_compile(model: bytes, options: CompileOptions, cache: Path | None,
     return artifact
 
 
+def slice_model(image: dict[str, np.ndarray], output: str, classes: int = 1000) -> bytes:
+    """An engine with ResNet-50's input and output that does no work: the first ``classes``
+    values of the image."""
+    from onnx import TensorProto, helper
+
+    (name, value), = image.items()
+    ints = [helper.make_tensor(n, TensorProto.INT64, [1], [v])
+            for n, v in (("starts", 0), ("ends", classes), ("axes", 1))]
+    graph = helper.make_graph(
+        [helper.make_node("Flatten", [name], ["flat"], axis=1),
+         helper.make_node("Slice", ["flat", "starts", "ends", "axes"], [output])],
+        "image_slice", [helper.make_tensor_value_info(name, TensorProto.FLOAT, list(value.shape))],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, [value.shape[0], classes])],
+        ints)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]
+                             ).SerializeToString()
+
+
+def image_transport(image: dict[str, np.ndarray], output: str, args: argparse.Namespace,
+                    out: Path) -> None:
+    """ResNet-50's image through each transport to an engine that does no work: what the
+    protocols cost a 224×224 image, apart from the engine's time (which, in a server
+    process on a loaded machine, moves by more than the transports cost)."""
+    artifact = compile_dir(slice_model(image, output), CompileOptions(benchmark_iterations=3),
+                           out)
+    from kiln import runtime
+
+    loaded = runtime.load(artifact)
+    server = Server(artifact, image, output)
+    try:
+        paths = {"kiln.runtime run()": lambda: loaded.run(image),
+                 "HTTP binary (tritonclient)": server.http_call(True),
+                 "gRPC (tritonclient)": server.grpc_call(),
+                 FLOOR: server.grpc_call(floor=True)}
+        samples = blocks(paths, args.rounds, args.block)
+    finally:
+        server.close()
+    peers = {name: "kiln.runtime run()" for name in paths if name != "kiln.runtime run()"}
+    latency_table(f"a 1×3×224×224 image to an engine that does no work (slices 1000 values): "
+                  f"{args.rounds} blocks of {args.block} calls, median \\[p10–p90]",
+                  samples, peers, 1e3, "ms", args.block)
+
+
 def main(args: argparse.Namespace) -> None:
     from kiln.architectures import exported
     from kiln.model_files import model_blob
@@ -440,6 +488,7 @@ def main(args: argparse.Namespace) -> None:
                       f"{time.perf_counter() - started:.0f} s")
         image = dict(resnet.architecture.inputs)
         output = _first_output(artifact)
+        image_transport(image, output, args, work / "image-slice")
         paths, peers = in_process_paths(artifact, image, output)
         server = Server(artifact, image, output)
         try:
