@@ -23,7 +23,9 @@ together):
 - ``kiln.torch.load()`` eager and inside ``torch.compile(fullgraph=True)``, on torch tensors,
   against ``kiln.runtime``; on the 8-wide engine also the compiled row against the eager one,
   beside ``torch.compile`` of ``x + 1`` against eager ``x + 1`` (what torch.compile's guards and
-  wrappers cost any compiled function: the floor under the compiled row);
+  wrappers cost any compiled function) and of a custom op whose Python kernel only copies its
+  input, defined as ``kiln.torch`` defines an engine's, against the same op eager (what they
+  cost a graph that calls a Python custom op: the floor under the compiled row);
 - an agent inference server (REST and gRPC, in a child process, as a deployment runs it)
   through unmodified tritonclient: HTTP JSON (MLP only), HTTP binary, gRPC, against
   ``kiln.runtime``; and the gRPC floor beside them: a bare ``GRPCInferenceService`` servicer in
@@ -85,6 +87,8 @@ CLIENTS = 8
 FLOOR = "gRPC floor: bare servicer, same session (tritonclient)"
 IN_PROCESS = "in-process (kiln.runtime, 8 threads)"
 GRPC_OVER_FLOOR = "gRPC (tritonclient), against the floor"
+COPY_OP = "custom op copying x (Python kernel), eager"
+COPY_OP_COMPILED = "custom op copying x, in torch.compile(fullgraph)"
 #: torch.compile's own share of the compiled row, beside what it adds to ``x + 1``.
 COMPILE_OVER_EAGER = "kiln.torch in torch.compile, against kiln.torch eager"
 
@@ -301,12 +305,23 @@ def in_process_paths(artifact: Path, feed: dict[str, np.ndarray], output: str,
 
 
 def compile_floor(x: np.ndarray) -> dict[str, Callable[[], object]]:
-    """``x + 1`` eager and under ``torch.compile(fullgraph=True)``, in inference mode: what
-    torch.compile costs per call whatever the graph calls."""
+    """``x + 1``, and a custom op whose Python kernel only copies its input (defined as
+    ``kiln.torch`` defines an engine's: a ``torch.library`` fragment, a CPU kernel, a fake),
+    each eager and under ``torch.compile(fullgraph=True)``, in inference mode: what
+    torch.compile costs per call whatever the graph calls, and what it costs a graph that
+    calls a Python custom op."""
     import torch
 
     tensor = torch.from_numpy(x)
+    library = torch.library.Library("kiln_bench", "FRAGMENT")
+    library.define("copy(Tensor i0) -> Tensor")
+    library.impl("copy", lambda t: torch.from_numpy(t.numpy().copy()), "CPU")
+    torch.library.register_fake("kiln_bench::copy", lambda t: t.new_empty(t.shape),
+                                lib=library)
+    _LIBRARIES.append(library)
+    op = torch.ops.kiln_bench.copy.default
     compiled = torch.compile(lambda t: t + 1, fullgraph=True)
+    compiled_op = torch.compile(lambda t: op(t), fullgraph=True)
 
     def under(fn: Callable[..., object]) -> Callable[[], object]:
         def call() -> object:
@@ -315,7 +330,13 @@ def compile_floor(x: np.ndarray) -> dict[str, Callable[[], object]]:
         return call
 
     under(compiled)()
-    return {"eager x + 1": under(lambda t: t + 1), "torch.compile(x + 1)": under(compiled)}
+    under(compiled_op)()
+    return {"eager x + 1": under(lambda t: t + 1), "torch.compile(x + 1)": under(compiled),
+            COPY_OP: under(op), COPY_OP_COMPILED: under(compiled_op)}
+
+
+#: Keeps the benchmark's op library alive (its ops live as long as it).
+_LIBRARIES: list[object] = []
 
 
 def spread(values: list[float], unit: float, suffix: str) -> str:
@@ -468,6 +489,7 @@ def main(args: argparse.Namespace) -> None:
         tiny_paths, tiny_peers = in_process_paths(tiny, tiny_feed, "y")
         tiny_paths.update(compile_floor(tiny_feed["x"]))
         tiny_peers["torch.compile(x + 1)"] = "eager x + 1"
+        tiny_peers[COPY_OP_COMPILED] = COPY_OP
         tiny_samples = blocks(tiny_paths, args.rounds, args.block * 5)
         compiled = "kiln.torch in torch.compile(fullgraph)"
         tiny_samples[COMPILE_OVER_EAGER] = tiny_samples[compiled]
