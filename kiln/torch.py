@@ -61,6 +61,8 @@ _TORCH_DTYPES = {
     "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
     "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
 }
+#: Signature dtypes whose torch tensors have numpy views (``Tensor.numpy()``).
+_NUMPY_VIEWS = frozenset(_TORCH_DTYPES) - {"bfloat16"}
 _LOCK = threading.Lock()
 #: Op name → the op registered for it in this process (one per loaded engine).
 _OPS: dict[str, KilnEngineOp] = {}
@@ -107,6 +109,18 @@ class KilnEngineOp:
         self.shapes = OutputShapes(manifest.inputs, manifest.outputs)
         self.profiles = dict(manifest.options.shapes)
         self.device = model._executor._check.device
+        self._executor = model._executor
+        #: Per input: its name, torch dtype, rank (None: any) and fixed dimensions ((axis,
+        #: size), ...) — the signature's check on torch tensors, without converting them first.
+        #: None when an input's dtype has no numpy view (bfloat16): every call takes ``run``.
+        self._checks: list[tuple[str, torch.dtype, int | None, tuple[tuple[int, int], ...]]] \
+            | None = [
+                (spec.name, _torch_dtype(spec.dtype),
+                 None if list(spec.shape) == ["..."] else len(spec.shape),
+                 tuple((axis, dim) for axis, dim in enumerate(spec.shape)
+                       if isinstance(dim, int)))
+                for spec in manifest.inputs
+            ] if all(spec.dtype in _NUMPY_VIEWS for spec in manifest.inputs) else None
         self._load_kwargs = load_kwargs
         self._by_stream: dict[int, runtime.LoadedModel] = {}
         #: Per output: each dimension fixed (int), the size of an input's axis ((input index,
@@ -201,12 +215,37 @@ class KilnEngineOp:
         an IOBinding. On CUDA, ``_run_on_device``."""
         if inputs and inputs[0].is_cuda:
             return self._run_on_device(inputs)
+        feed = self._prechecked(inputs)
+        if feed is not None:
+            values = self._executor.run_prechecked(feed)
+            if len(values) == 1:
+                return torch.from_numpy(values[0])
+            return tuple(torch.from_numpy(value) for value in values)
         results = self.model.run({
             name: (tensor.detach() if tensor.requires_grad else tensor).numpy()
             for name, tensor in zip(self.input_names, inputs, strict=True)})
         if len(self.output_names) == 1:
             return torch.from_numpy(results[self.output_names[0]])
         return tuple(torch.from_numpy(results[name]) for name in self.output_names)
+
+    def _prechecked(self, inputs: Sequence[torch.Tensor]) -> dict[str, np.ndarray] | None:
+        """The feed as numpy views when every input passes the signature's check as it is
+        (dtype, rank, fixed dimensions, contiguous, no gradient); ``None`` otherwise, and
+        ``kiln.runtime``'s ``run`` checks (and refuses, or copies) it as for any caller."""
+        checks = self._checks
+        if checks is None or len(inputs) != len(checks):
+            return None
+        feed = {}
+        for tensor, (name, dtype, rank, fixed) in zip(inputs, checks, strict=True):
+            if tensor.dtype is not dtype or tensor.requires_grad or (
+                    rank is not None and tensor.dim() != rank) or not tensor.is_contiguous():
+                return None
+            shape = tensor.shape
+            for axis, size in fixed:
+                if shape[axis] != size:
+                    return None
+            feed[name] = tensor.numpy()
+        return feed
 
     def _run_on_device(self, inputs: Sequence[torch.Tensor]) -> Any:
         """CUDA tensors cross as themselves (their CUDA array interface); torch allocates the

@@ -132,7 +132,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                          model_version=model.artifact_id, id=request.id)
         for name in names:
             array = np.ascontiguousarray(outputs[name])
-            response.outputs.add(name=name, datatype=oip.datatype(array.dtype.name),
+            response.outputs.add(name=name, datatype=oip.datatype_of(array.dtype),
                                  shape=list(array.shape))
             response.raw_output_contents.append(array.tobytes())
         return response
@@ -154,7 +154,11 @@ class _TokenInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method in _PROBES:
             return continuation(handler_call_details)
-        given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        given: str | bytes = ""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                given = value
+                break
         given = given.encode() if isinstance(given, str) else given
         if hmac.compare_digest(given, self._expected):
             return continuation(handler_call_details)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -73,6 +75,15 @@ class _TritonCounters:
             series = self._values[name]
             series[key] = series.get(key, 0.0) + value
 
+    def add_many(self, key: tuple[tuple[str, str], ...],
+                 values: tuple[tuple[str, float], ...]) -> None:
+        """Add each ``(name, value)`` to the series labelled ``key`` (sorted label pairs),
+        under one lock."""
+        with self._lock:
+            for name, value in values:
+                series = self._values[name]
+                series[key] = series.get(key, 0.0) + value
+
     def collect(self):
         with self._lock:
             snapshot = {name: dict(series) for name, series in self._values.items()}
@@ -81,6 +92,16 @@ class _TritonCounters:
             for key, value in series.items():
                 family.add_sample(name, dict(key), value)
             yield family
+
+
+class _ModelSeries:
+    """One model version's success series, their labels resolved once (a request then costs
+    a few additions, not label look-ups)."""
+
+    def __init__(self, metrics: Metrics, name: str, version: str) -> None:
+        self.ok = metrics.requests.labels(name, version, "ok")
+        self.latency = metrics.latency.labels(name, version)
+        self.key = (("model", name), ("version", version))
 
 
 class Metrics:
@@ -97,6 +118,7 @@ class Metrics:
             ["model", "artifact"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )
         self.triton = _TritonCounters()
+        self._series: dict[tuple[str, str], _ModelSeries] = {}
         self.registry.register(_LoadedModels(table))
         self.registry.register(self.triton)
 
@@ -108,25 +130,36 @@ class Metrics:
 
     def success(self, model: ServedModel, *, batch: int, compute_s: float,
                 request_s: float) -> None:
-        name, version = model.name, model.artifact_id
-        self.requests.labels(name, version, "ok").inc()
-        self.latency.labels(name, version).observe(compute_s)
-        add = self.triton.add
-        add("nv_inference_request_success", 1, model=name, version=version)
-        add("nv_inference_count", batch, model=name, version=version)
-        add("nv_inference_exec_count", 1, model=name, version=version)
-        add("nv_inference_request_duration_us", request_s * 1e6, model=name, version=version)
-        add("nv_inference_compute_infer_duration_us", compute_s * 1e6, model=name,
-            version=version)
+        key = (model.name, model.artifact_id)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series.setdefault(key, _ModelSeries(self, *key))
+        series.ok.inc()
+        series.latency.observe(compute_s)
+        self.triton.add_many(series.key, (
+            ("nv_inference_request_success", 1), ("nv_inference_count", batch),
+            ("nv_inference_exec_count", 1), ("nv_inference_request_duration_us", request_s * 1e6),
+            ("nv_inference_compute_infer_duration_us", compute_s * 1e6)))
+
+
+#: Executor → the name of its batch input (the first, when its leading dimension is dynamic),
+#: or ``None`` (every request is one inference); worked out once per engine.
+_BATCH_INPUT: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
 
 
 def batch_size(model: ServedModel, feed: Mapping[str, np.ndarray]) -> int:
     """The inferences one request holds: the rows of the first input when its leading
     dimension is dynamic (a batch), else 1."""
-    first = model.manifest.inputs[0] if model.manifest.inputs else None
-    if first is None or not first.shape or isinstance(first.shape[0], int):
+    try:
+        name = _BATCH_INPUT[model.executor]
+    except KeyError:
+        first = model.manifest.inputs[0] if model.manifest.inputs else None
+        name = None if first is None or not first.shape or isinstance(first.shape[0], int) \
+            else first.name
+        _BATCH_INPUT[model.executor] = name
+    if name is None:
         return 1
-    value = feed.get(first.name)
+    value = feed.get(name)
     return int(value.shape[0]) if isinstance(value, np.ndarray) and value.ndim else 1
 
 

@@ -11,7 +11,7 @@ read, and raw data must have exactly the bytes its datatype and shape need.
 from __future__ import annotations
 
 import json
-import math
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +42,17 @@ def datatype(dtype: str) -> str:
     """The protocol datatype of a manifest dtype; one with none (``float8_e4m3fn``,
     ``complex64`` ...) is reported upper-cased and cannot be sent."""
     return DATATYPES.get(dtype, dtype.upper())
+
+
+_BY_DTYPE: dict[np.dtype, str] = {}
+
+
+def datatype_of(dtype: np.dtype) -> str:
+    """``datatype(dtype.name)``, remembered per dtype (``dtype.name`` costs microseconds)."""
+    found = _BY_DTYPE.get(dtype)
+    if found is None:
+        found = _BY_DTYPE[dtype] = datatype(dtype.name)
+    return found
 
 
 def dims(spec: TensorSpec) -> list[int]:
@@ -82,30 +93,55 @@ def metadata(model: ServedModel) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- tensors in
+@dataclass(frozen=True)
+class _InputPlan:
+    """What a request's input is checked against, worked out once per engine."""
+
+    spec: TensorSpec
+    datatype: str
+    dtype: np.dtype
+    #: The protocol shape (-1: any size); ``None`` for a tensor of unknown rank.
+    dims: tuple[int, ...] | None
+
+
+#: Executor → its inputs' plans by name (an executor's signature never changes).
+_PLANS: weakref.WeakKeyDictionary[Any, dict[str, _InputPlan]] = weakref.WeakKeyDictionary()
+
+
+def _plans(model: ServedModel) -> dict[str, _InputPlan]:
+    plans = _PLANS.get(model.executor)
+    if plans is None:
+        plans = {spec.name: _InputPlan(spec, datatype(spec.dtype), numpy_dtype(spec.dtype),
+                                       None if spec.shape == ["..."] else tuple(dims(spec)))
+                 for spec in model.manifest.inputs}
+        _PLANS[model.executor] = plans
+    return plans
+
+
 def _input_spec(model: ServedModel, name: str, given: str,
                 shape: Sequence[int]) -> tuple[TensorSpec, np.dtype, int]:
     """The signature entry of input ``name``, its numpy dtype and the element count of
     ``shape``, after checking the declared datatype and shape."""
-    specs = {spec.name: spec for spec in model.manifest.inputs}
-    spec = specs.get(name)
-    if spec is None:
+    plan = _plans(model).get(name)
+    if plan is None:
         raise InvalidRequest(
             f"model {model.name!r} has no input {name!r}; its inputs are "
-            f"[{', '.join(_describe(s) for s in specs.values())}]")
-    want = datatype(spec.dtype)
-    if given != want:
-        raise InvalidRequest(f"input {name!r}: expected datatype {want} ({_describe(spec)}); "
-                             f"given {given!r}")
-    if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
-        raise InvalidRequest(f"input {name!r}: a shape is a list of non-negative integers; "
-                             f"given {list(shape)}")
-    if spec.shape != ["..."]:
-        expected = dims(spec)
-        if len(shape) != len(expected) or any(
-                want_d not in (-1, got) for want_d, got in zip(expected, shape, strict=True)):
-            raise InvalidRequest(f"input {name!r}: expected shape {expected} (-1: any size; "
-                                 f"{_describe(spec)}); given {list(shape)}")
-    return spec, numpy_dtype(spec.dtype), math.prod(shape)
+            f"[{', '.join(_describe(s) for s in model.manifest.inputs)}]")
+    if given != plan.datatype:
+        raise InvalidRequest(f"input {name!r}: expected datatype {plan.datatype} "
+                             f"({_describe(plan.spec)}); given {given!r}")
+    count = 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise InvalidRequest(f"input {name!r}: a shape is a list of non-negative integers;"
+                                 f" given {list(shape)}")
+        count *= d
+    expected = plan.dims
+    if expected is not None and (len(shape) != len(expected) or any(
+            want_d != got and want_d != -1 for want_d, got in zip(expected, shape, strict=True))):
+        raise InvalidRequest(f"input {name!r}: expected shape {list(expected)} (-1: any size; "
+                             f"{_describe(plan.spec)}); given {list(shape)}")
+    return plan.spec, plan.dtype, count
 
 
 def from_raw(model: ServedModel, name: str, given: str, shape: Sequence[int],
@@ -169,6 +205,8 @@ def requested_outputs(model: ServedModel, names: Sequence[str]) -> list[str]:
 
 
 def check_unique(names: Sequence[str], what: str) -> None:
+    if len(names) < 2:
+        return
     seen: set[str] = set()
     twice = sorted({n for n in names if n in seen or seen.add(n)})
     if twice:
@@ -264,7 +302,7 @@ def encode_rest(model: ServedModel, request: RestRequest,
     tensors, chunks = [], []
     for name, binary in request.outputs.items():
         array = np.ascontiguousarray(outputs[name])
-        tensor: dict[str, Any] = {"name": name, "datatype": datatype(array.dtype.name),
+        tensor: dict[str, Any] = {"name": name, "datatype": datatype_of(array.dtype),
                                   "shape": list(array.shape)}
         if binary:
             chunks.append(array.tobytes())

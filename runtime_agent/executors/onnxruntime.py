@@ -314,6 +314,14 @@ class OnnxRuntimeExecutor(Executor):
             raise self._run_error(exc) from exc
         return dict(zip(self._output_names, values, strict=True))
 
+    def run_prechecked(self, feed: Mapping[str, Any]) -> list[Any]:
+        if self._direct is None:
+            return super().run_prechecked(feed)
+        try:
+            return self._direct(self._output_names, feed, self._run_options)
+        except Exception as exc:  # onnxruntime raises its own untyped errors
+            raise self._run_error(exc) from exc
+
     def _run_into(self, feed: Mapping[str, Any], targets: Mapping[str, Any]) -> dict[str, Any]:
         """Bind the inputs' memory, the caller's output buffers (``targets``) and, for every
         other output, onnxruntime's own allocator, then run once.

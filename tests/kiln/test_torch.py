@@ -12,6 +12,7 @@ import torch
 
 import kiln.torch as kiln_torch
 from kiln import architectures, runtime
+from schemas.errors import InvalidRequest
 from schemas.manifest import TensorSpec
 from schemas.options import CompileOptions, ShapeProfile
 from tests.runtime_agent.test_executors import make_artifact
@@ -52,6 +53,26 @@ def test_tensors_cross_without_copies(engine_dir: Path) -> None:
     second = module(X * 2)
     assert second.data_ptr() != first.data_ptr()  # a fresh output every call
     torch.testing.assert_close(first, kept, rtol=0, atol=0)
+
+
+def test_the_op_checks_tensors_against_the_signature(engine_dir: Path) -> None:
+    """The op reads a tensor that matches the signature as it is, and hands every other one
+    to ``kiln.runtime``'s checks: refused with the signature's reason, or copied once."""
+    module = kiln_torch.load(engine_dir)
+    engine = module.engine
+    expected = runtime.load(engine_dir).run({"x": X.numpy()})["y"]
+    assert engine._prechecked([X])["x"].ctypes.data == X.data_ptr()
+    for bad, reason in ((X.double(), "expected dtype float32"),
+                        (X[:, :63], "expected dimension 1 to be 64"),
+                        (X.reshape(3, 64, 1), "expected rank 2")):
+        assert engine._prechecked([bad]) is None
+        with pytest.raises(InvalidRequest, match=reason):
+            module(bad)
+    strided = X.t().contiguous().t()  # the same values, column-major
+    grad = X.clone().requires_grad_()
+    for tensor in (strided, grad):
+        assert engine._prechecked([tensor]) is None
+        np.testing.assert_array_equal(module(tensor).detach().numpy(), expected)
 
 
 def test_inside_torch_compile_fullgraph(engine_dir: Path) -> None:

@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import generate_latest
 
 from runtime_agent.artifact_dir import load_artifact
 from runtime_agent.grpc_server import GrpcServer
@@ -365,3 +366,44 @@ def test_grpc_needs_the_token(grpc_stub) -> None:
         assert caught.value.code() is grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError):
             grpc_stub.ModelMetadata(pb.ModelMetadataRequest(name="mlp"), metadata=metadata)
+
+
+def test_a_swapped_engine_is_checked_and_counted_as_itself(built: Fixtures, tmp_path) -> None:
+    """What the servers work out once per engine (its inputs' checks, its metric series) is
+    the new engine's after a swap under the same name: its signature, its version."""
+    from compiler_worker.pipeline import compile_model, write_artifact_dir
+    from kiln.examples import mlp
+    from runtime_agent.fingerprint import detect_fingerprint
+    from tests.runtime_agent.helpers import FAST
+
+    result = compile_model(mlp(in_features=8, batch=2).SerializeToString(), FAST,
+                           fingerprint=detect_fingerprint(), workdir=tmp_path / "work")
+    narrow = load_artifact(write_artifact_dir(result, tmp_path / "out"))
+    table = ModelTable()
+    wide = ServedModel("mlp", load_artifact(built.mlp_a))
+    table.put(wide)
+    metrics = Metrics(table)
+    server = GrpcServer(table, metrics, "127.0.0.1", 0, workers=2)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert stub.ModelInfer(raw_request(X1)).model_version == wide.artifact_id
+        table.put(ServedModel("mlp", narrow))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ModelInfer(raw_request(X1))  # the old engine's shape
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "expected shape [2, 8]" in refused.value.details()
+        x = np.ones((2, 8), np.float32)
+        answer = stub.ModelInfer(raw_request(x))
+        assert answer.model_version == narrow.manifest.artifact_id
+        assert list(answer.outputs[0].shape) == [2, 16]
+    finally:
+        channel.close()
+        server.stop()
+    text = generate_latest(metrics.registry).decode()
+    for version, count in ((wide.artifact_id, 1), (narrow.manifest.artifact_id, 1)):
+        assert f'nv_inference_request_success{{model="mlp",version="{version}"}} ' \
+               f'{count:.1f}' in text
+        assert f'kiln_agent_requests_total{{artifact="{version}",model="mlp",outcome="ok"}} ' \
+               f'{count:.1f}' in text
