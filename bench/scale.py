@@ -29,8 +29,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
+import random
 import resource
 import signal
 import statistics
@@ -94,6 +96,8 @@ class Fleet:
         self.stop = False
         self.submitting = False
         self.held = 0
+        #: Agents whose first held long-poll (of a random length) has been answered.
+        self.renewed: dict[str, bool] = {}
 
     def _error(self, what: str) -> None:
         if self.phase is not None:
@@ -101,8 +105,13 @@ class Fleet:
 
     async def long_poll(self, http: aiohttp.ClientSession, i: int) -> None:
         name = self.names[i]
+        # A fleet in its steady state renews its long-polls at even intervals; agents that all
+        # came up within the ramp would renew in waves. The first held long-poll of each
+        # lasts a random share of WAIT_S, so the renewals are spread from the start.
+        first_wait = random.Random(i).uniform(1.0, WAIT_S)
         while not self.stop:
-            params = {"wait": str(WAIT_S)} | (
+            wait = WAIT_S if self.renewed.get(name) else first_wait
+            params = {"wait": f"{wait:.3f}"} | (
                 {"after": self.digests[name]} if name in self.digests else {})
             try:
                 self.held += 1
@@ -116,6 +125,8 @@ class Fleet:
                 continue
             finally:
                 self.held -= 1
+            if name in self.digests:
+                self.renewed[name] = True
             if status == 200:
                 first = name not in self.digests
                 self.digests[name] = etag
@@ -475,8 +486,15 @@ def main() -> None:
             model_ids = seed(database_url, (home / "store").as_uri(), home / "signing.key",
                              args.agents)
             stack.start()
+            # The load generator's own full garbage collections (10,000 tasks, connections
+            # and their buffers) stalled it for up to 4 s, which the latencies it takes would
+            # count as the API's: it collects nothing while it measures.
+            gc.collect()
+            gc.freeze()
+            gc.disable()
             phases, fleet, change_s, costs = asyncio.run(
                 run(args, stack, admin, db, model_ids))
+            gc.enable()
         except BaseException:
             log = home / "logs" / "api.log"
             if log.exists():

@@ -116,7 +116,7 @@ def api(
     """Run the control-plane API."""
     import uvicorn
 
-    from services.api.app import create_app
+    from services.api.app import collect_on_schedule, create_app
     from services.config import get_settings
     from services.db import migrate
 
@@ -133,7 +133,9 @@ def api(
     config = dict(host=host or settings.api_host, port=port or settings.api_port,
                   log_level=settings.log_level.lower())
     if settings.api_processes == 1:
-        uvicorn.run(create_app(settings), **config)
+        application = create_app(settings)
+        collect_on_schedule(settings)
+        uvicorn.run(application, **config)
         return
     from services.api.processes import serve
 

@@ -152,6 +152,11 @@ class KilnSettings(SharedSettings):
     #: Each process keeps its own caches and background threads; they agree through the
     #: database (rows are claimed with `SKIP LOCKED`, long-polls wake through the re-check).
     api_processes: int = Field(1, ge=1, le=64)
+    #: How often a `kiln api` process runs a full garbage collection, seconds; automatic full
+    #: collections are off in between, and what start-up built is frozen out of every
+    #: collection (``services/api/collector.py``: with thousands of held long-polls, CPython's
+    #: own policy stalled the process about a second every ten). 0: CPython's own policy.
+    api_full_gc_s: float = Field(300.0, ge=0)
     #: How often the API writes the liveness heartbeats (``Prefer: return=minimal``) it
     #: received, in one batch, seconds (0: each at once, in its request). A heartbeat is
     #: answered when recorded; ``last_seen`` lags by at most this (``services/api/liveness.py``).

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from artifact_store import open_store
 from schemas.version import KILN_VERSION
+from services.api.collector import FullCollections
 from services.api.desired import DesiredStateHub, Rechecker
 from services.api.errors import install_error_handlers
 from services.api.gate import FrontDoor
@@ -67,7 +68,19 @@ def app_from_environment() -> FastAPI:
     settings = get_settings()
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return create_app(settings, run_migrations=False)
+    app = create_app(settings, run_migrations=False)
+    collect_on_schedule(settings)
+    return app
+
+
+def collect_on_schedule(settings: KilnSettings) -> FullCollections | None:
+    """The garbage-collection policy of a serving process (``services/api/collector.py``);
+    only for a process that does nothing else (not for tests, which build many apps)."""
+    if settings.api_full_gc_s <= 0:
+        return None
+    collector = FullCollections(interval_s=settings.api_full_gc_s)
+    collector.start()
+    return collector
 
 
 def _answer_long_polls_on_exit(hub: DesiredStateHub) -> Callable[[], None]:

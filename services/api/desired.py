@@ -375,8 +375,12 @@ class DesiredStateHub:
             self.agents_changed(again)
         # A job finished just before ``since`` may commit just after the last check: the
         # window overlaps, and jobs already seen are not woken for again.
+        # A job answered from the cache changed nobody's desired state (its artifact was
+        # there already): at 200 cached submissions a second, counting them woke every
+        # long-poll of the model's agents over and over.
         rows = [*session.execute(sa.select(CompileJobRow.id, CompileJobRow.model_id).where(
-            CompileJobRow.finished_at > since - RECHECK_OVERLAP)),
+            CompileJobRow.finished_at > since - RECHECK_OVERLAP,
+            CompileJobRow.cache_hit.is_(False))),
             *session.execute(sa.select(ArtifactRow.id, ArtifactRow.model_id).where(
                 ArtifactRow.created_at > since - RECHECK_OVERLAP))]
         with self._lock:

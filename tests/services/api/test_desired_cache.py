@@ -134,6 +134,36 @@ def test_desired_models_are_computed_once_per_profile_until_a_change_concerns_th
     assert hub.cache.computations - before == 2
 
 
+def test_cached_compile_requests_wake_no_long_poll(api, settings):
+    """A compile request answered from the cache is a job finished, but it changes nobody's
+    desired state: the re-check must not wake the model's agents (at 200 cached submissions a
+    second it woke the whole fleet over and over) nor drop what is cached."""
+    from services.db import make_engine, make_session_factory, repo, session_scope
+    from tests.services.api.test_operations import submit
+    from tests.services.api.test_recovery import published
+    from tests.services.db.helpers import manifest
+
+    hub = api.app.state.desired_hub
+    assert api.post("/v1/agents", json=registration("n0", KEY, {"site": "a"})).status_code == 200
+    model_id = upload(api, mlp().SerializeToString()).json()["id"]
+    signed = published(settings, manifest(model_id, fingerprint_key=KEY), settings.home)
+    with session_scope(make_session_factory(make_engine(settings.database_url))) as session:
+        repo.record_artifact(session, model_id=model_id, manifest=signed)
+    assert deploy(api, "svc", model_id, {"site": "a"}).status_code == 201
+    assert poll(api, "n0").status_code == 200  # something cached: the re-check runs
+    time.sleep(2.5)  # it has seen the artifact recorded behind the API's back
+    digest = digest_of(api, poll(api, "n0"))
+    wakes, computed = hub.wakes, hub.cache.computations
+
+    held = in_thread(lambda: poll(api, "n0", after=digest, wait=3))
+    for _ in range(5):
+        job = submit(api, model_id, KEY)
+        assert job["cache_hit"], (job["status"], job["error"], job["fingerprint_key"])
+    answer, took = held()
+    assert answer.status_code == 204 and took >= 2.5, (answer.status_code, took)
+    assert (hub.wakes, hub.cache.computations) == (wakes, computed)
+
+
 def test_an_artifact_found_broken_or_a_plugin_registered_elsewhere_reaches_cached_state(
         api, settings):
     """Both written behind this API's back (another replica, a store check): the re-check
