@@ -187,8 +187,11 @@ def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = T
     app.add_middleware(FrontDoor, settings=settings, routes=app.router.routes,
                        public=public_paths(app), revocations=app.state.revocations,
                        browser=browser_paths())
-    for module in (health, models, datasets, jobs, artifacts, builds, workers, deployments,
-                   agents, fleet, plugins, tuning, tokens, trust, retention, rollouts):
+    # Routes are matched in order, by the front door and by the router: the agents' routes
+    # (a heartbeat or a long-poll renewal from each agent of the fleet) and the workers'
+    # come first, then the submissions.
+    for module in (agents, builds, jobs, health, models, datasets, artifacts, workers,
+                   deployments, fleet, plugins, tuning, tokens, trust, retention, rollouts):
         app.include_router(module.router)
     app.include_router(ui_router)
     logger.info("API ready: store %s, database %s", settings.store_uri, engine.url.drivername)

@@ -176,6 +176,13 @@ class DesiredStateCache:
                     del self._computing[key]
         return models
 
+    def kept(self, profile: AgentProfile) -> list[DesiredModel] | None:
+        """The profile's models if they are kept and fresh, else ``None`` (nothing blocks)."""
+        if self.ttl_s <= 0:
+            return None
+        entry = self._fresh(profile.key)
+        return entry.models if entry is not None else None
+
     def _fresh(self, key: str) -> _Cached | None:
         with self._lock:
             entry = self._entries.get(key)
@@ -279,6 +286,16 @@ class DesiredStateHub:
                     self._profiles.clear()
                 self._profiles[name] = profile
         return profile
+
+    def kept_profile(self, name: str) -> AgentProfile | None:
+        with self._lock:
+            return self._profiles.get(name)
+
+    def kept_rollouts(self) -> list[Rollout] | None:
+        with self._lock:
+            if self._rollouts is not None and self._rollouts[1] > time.monotonic():
+                return self._rollouts[0]
+            return None
 
     def rollouts(self, read: Callable[[], list[Rollout]]) -> list[Rollout]:
         """The active rollouts: kept (at most ``cache_s``), or ``read()`` and kept."""

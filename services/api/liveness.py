@@ -14,9 +14,11 @@ What that gives up, and why it is safe:
   written at once; the routes that show agents write what is pending first.
 - A heartbeat recorded here is lost if the process dies before the next write: the agent's
   next one, an interval of its own later, makes up for it.
-- An agent this process has not seen yet is written at once, so that one that never registered
-  (or that retention forgot) is told 404 and registers. A batch that finds rows missing forgets
-  those agents here, and their next heartbeat is answered 404.
+- An agent this process does not know is written at once, so that one that never registered
+  (or that retention forgot) is told 404 and registers. The process learns who exists when it
+  starts (one query of the names), from registrations and long-polls it serves, and every
+  ``LEARN_S`` from the registrations made through other processes. A batch that finds rows
+  missing forgets those agents here, and their next heartbeat is answered 404.
 - A batched write never goes back in time: a row a later full heartbeat wrote is left alone.
 
 With ``KILN_HEARTBEAT_FLUSH_S`` 0 every heartbeat is written at once, as before.
@@ -26,8 +28,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -40,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 #: The name of the writing thread.
 WRITER_THREAD = "kiln-heartbeats"
+#: How often the process learns of agents registered through other processes, seconds.
+LEARN_S = 60.0
+#: How far back each look goes before the previous one (a registration may commit late).
+LEARN_OVERLAP = timedelta(seconds=5)
 
 
 class HeartbeatWriter:
@@ -55,6 +63,8 @@ class HeartbeatWriter:
         self._known: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: When the names were last read (``None``: never).
+        self._learned: datetime | None = None
         #: Batches written, and heartbeats in them.
         self.batches = 0
         self.written = 0
@@ -143,8 +153,30 @@ class HeartbeatWriter:
         except Exception:
             logger.warning("the last heartbeats could not be written", exc_info=True)
 
+    def learn(self) -> int:
+        """Learn which agents exist: every name the first time, then those registered since
+        the last look. Returns how many names were read."""
+        started = utcnow()
+        with self.session_factory() as session:
+            names = (repo.agent_names(session) if self._learned is None
+                     else repo.registered_since(session, self._learned - LEARN_OVERLAP))
+        with self._lock:
+            self._known.update(names)
+        self._learned = started
+        return len(names)
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        next_look = 0.0
+        while True:
+            if time.monotonic() >= next_look:
+                try:
+                    self.learn()
+                    next_look = time.monotonic() + LEARN_S
+                except Exception:
+                    logger.warning("reading the agents' names failed", exc_info=True)
+                    next_look = time.monotonic() + self.interval_s
+            if self._stop.wait(self.interval_s):
+                return
             try:
                 self.flush()
             except Exception:  # the database may be away for a while; the batch waits

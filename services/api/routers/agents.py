@@ -171,6 +171,19 @@ async def poll_desired_state(
         return profile.labels, DesiredState(agent=name, models=hub.cache.models(profile, models),
                                           heartbeat_s=settings.agent_heartbeat_s)
 
+    def kept() -> tuple[dict[str, str], DesiredState] | None:
+        # A renewal with nothing changed finds everything kept: answered on the loop, with
+        # no thread and no connection.
+        base, rollouts = hub.kept_profile(name), hub.kept_rollouts()
+        if base is None or rollouts is None:
+            return None
+        profile = base.admitted_by(rollouts)
+        models = hub.cache.kept(profile)
+        if models is None:
+            return None
+        return profile.labels, DesiredState(agent=name, models=models,
+                                            heartbeat_s=settings.agent_heartbeat_s)
+
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait
     waiter = hub.subscribe(name)  # before computing: a change meanwhile wakes it
@@ -178,7 +191,7 @@ async def poll_desired_state(
     try:
         while True:
             waiter.event.clear()
-            labels, desired = await run_in_threadpool(compute)
+            labels, desired = kept() or await run_in_threadpool(compute)
             recomputes += 1
             waiter.learn(labels, desired)
             digest = desired.content_digest()

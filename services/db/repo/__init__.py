@@ -20,6 +20,7 @@ from services.db.repo._common import (
 from services.db.repo.agents import (
     AGENT_TTL,
     agent_heartbeat,
+    agent_names,
     get_agent,
     known_fingerprint_keys,
     list_agents,
@@ -163,6 +164,7 @@ __all__ = [
     "RetentionPolicy",
     "active_rollouts",
     "agent_heartbeat",
+    "agent_names",
     "all_manifests",
     "apply_deployment",
     "apply_retention",

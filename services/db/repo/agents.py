@@ -116,6 +116,11 @@ def missing_agents(session: Session, names: Iterable[str]) -> set[str]:
     return wanted - found
 
 
+def agent_names(session: Session) -> list[str]:
+    """Every agent's name (one column, for a process that learns who exists)."""
+    return list(session.scalars(sa.select(AgentRow.name)))
+
+
 def registered_since(session: Session, since: datetime) -> list[str]:
     """The agents that registered (or registered again) after ``since``."""
     return list(session.scalars(sa.select(AgentRow.name).where(AgentRow.registered_at > since)))

@@ -280,6 +280,24 @@ def test_minimal_heartbeats_are_written_in_batches(request, tmp_path, backend):
         gone = _beat(api, "n3")
         assert gone.status_code == 404 and "register" in gone.json()["message"]
 
+        # n4 registers through another process: this one learns of it from the database, and
+        # its heartbeats are recorded rather than written one by one.
+        from schemas.agents import AgentRegistration
+        from services.db import repo
+
+        with api.app.state.session_factory() as session:
+            repo.register_agent(session, registration=AgentRegistration.model_validate(
+                registration("n4", KEY, {})))
+            session.commit()
+        assert writer.learn() >= 1
+        seen = Statements(api.app.state.engine)
+        try:
+            assert _beat(api, "n4").status_code == 204
+            assert [s for s, _ in seen.requests() if "agents" in s] == []
+        finally:
+            seen.close()
+        assert writer.pending() == 1
+
 
 def test_recorded_heartbeats_are_written_by_the_thread_and_at_shutdown(tmp_path):
     settings = make_settings(tmp_path, heartbeat_flush_s=0.2)
