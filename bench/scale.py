@@ -75,6 +75,9 @@ class Phase:
     errors: dict[str, int] = field(default_factory=dict)
     api_cpu_s: float = 0.0
     own_cpu_s: float = 0.0
+    pg_cpu_s: float = 0.0
+    #: The machine's busy share over the phase (all processes), 0..1.
+    busy: float = 0.0
     api_rss: list[int] = field(default_factory=list)
     db_active_ms: float = 0.0
     db_xacts: int = 0
@@ -290,6 +293,16 @@ def seed(database_url: str, store_uri: str, signing_key: Path, agents: int) -> l
     return model_ids
 
 
+def postgres_cpu() -> float:
+    """User + system seconds of every PostgreSQL server process on this machine."""
+    total = 0.0
+    for process in psutil.process_iter(["name"]):
+        if process.info["name"] in ("postgres", "postmaster"):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                total += sum(process.cpu_times()[:2])
+    return total
+
+
 def pg_activity(admin: sa.Engine, db: str) -> tuple[float, int]:
     with admin.connect() as conn:
         conn.execute(sa.text("SELECT pg_stat_clear_snapshot()"))
@@ -351,7 +364,8 @@ async def run(args, stack: EmbeddedStack, admin: sa.Engine, db: str,
                                                                args.submit_rate))
                          if submit else None)
             active0, xacts0 = pg_activity(admin, db)
-            api_cpu0, own_cpu0 = api.cpu(), sum(me.cpu_times()[:2])
+            api_cpu0, own_cpu0, pg_cpu0 = api.cpu(), sum(me.cpu_times()[:2]), postgres_cpu()
+            psutil.cpu_percent()  # the machine's busy share counts from here
             phase.started = time.perf_counter()
             change_s = None
             while time.perf_counter() - phase.started < args.phase_s:
@@ -366,6 +380,8 @@ async def run(args, stack: EmbeddedStack, admin: sa.Engine, db: str,
                           f"{len(phase.submissions)} submissions, errors {phase.errors}")
             phase.api_cpu_s = api.cpu() - api_cpu0
             phase.own_cpu_s = sum(me.cpu_times()[:2]) - own_cpu0
+            phase.pg_cpu_s = postgres_cpu() - pg_cpu0
+            phase.busy = psutil.cpu_percent() / 100
             if submitter is not None:
                 fleet.submitting = False
                 await submitter
@@ -423,7 +439,8 @@ def report(args, phases: list[Phase], fleet: Fleet, change_s: float, costs: list
     table = Table(title="Cost: the API processes, PostgreSQL, and the load generator beside them")
     for col in ("phase", "API CPU % (100 = a core; all processes)", "API RSS MiB (median [max])",
                 "long-poll renewals /s", "DB active ms / heartbeat (all statements)",
-                "DB transactions / heartbeat", "load generator CPU %"):
+                "DB transactions / heartbeat", "PostgreSQL CPU %", "load generator CPU %",
+                "machine busy %"):
         table.add_column(col, justify="right")
     for phase in phases:
         beats = max(1, len(phase.heartbeats))
@@ -432,7 +449,9 @@ def report(args, phases: list[Phase], fleet: Fleet, change_s: float, costs: list
                       f"{statistics.median(rss):.0f} [{max(rss):.0f}]",
                       f"{phase.renewals / phase.seconds:.0f}",
                       f"{phase.db_active_ms / beats:.3f}", f"{phase.db_xacts / beats:.2f}",
-                      f"{100 * phase.own_cpu_s / phase.seconds:.0f}")
+                      f"{100 * phase.pg_cpu_s / phase.seconds:.0f}",
+                      f"{100 * phase.own_cpu_s / phase.seconds:.0f}",
+                      f"{100 * phase.busy:.0f} of {os.cpu_count()} cores")
     console.print(table)
 
     selected = sum(1 for i in range(args.agents) if i % 10 == 3)

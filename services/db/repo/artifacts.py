@@ -27,7 +27,13 @@ log = logging.getLogger(__name__)
 READY = "ready"
 BROKEN = "broken"
 
-def _artifact(row: ArtifactRow) -> ArtifactSummary:
+#: What ``_artifact`` reads of a row.
+_SUMMARY_COLUMNS = ("id", "model_id", "backend", "fingerprint_key", "compatibility_key",
+                    "options_digest", "toolchain", "size_bytes", "max_abs_error", "p50_ms",
+                    "created_at", "state", "broken_reason")
+
+
+def _artifact(row: ArtifactRow | sa.Row) -> ArtifactSummary:
     return ArtifactSummary(
         id=row.id,
         model_id=row.model_id,
@@ -174,14 +180,18 @@ def find_current_artifact(
     """``find_artifact``, and only when every plugin it was built with is still the newest one
     providing its ops (``plugins_current``), in one read of the artifact: what a compile
     request may be answered with from the cache."""
-    stmt = sa.select(ArtifactRow).where(
-        ArtifactRow.model_id == model_id,
-        ArtifactRow.options_digest == options_digest,
-        ArtifactRow.fingerprint_key == fingerprint_key,
-        ArtifactRow.state != BROKEN,
-    ).order_by(ArtifactRow.created_at.desc(), ArtifactRow.id).limit(1)
-    row = session.scalars(stmt).first()
-    if row is None or not refs_current(session, row.manifest):
+    # The summary's columns and the manifest's plugin refs only: a whole manifest (every blob
+    # and tensor) is not decoded to answer from the cache.
+    table = ArtifactRow.__table__
+    stmt = sa.select(*(table.c[name] for name in _SUMMARY_COLUMNS),
+                     table.c.manifest["plugins"].label("plugins")).where(
+        table.c.model_id == model_id,
+        table.c.options_digest == options_digest,
+        table.c.fingerprint_key == fingerprint_key,
+        table.c.state != BROKEN,
+    ).order_by(table.c.created_at.desc(), table.c.id).limit(1)
+    row = session.execute(stmt).first()
+    if row is None or not refs_current(session, {"plugins": row.plugins}):
         return None
     return _artifact(row)
 

@@ -108,9 +108,10 @@ def live_workers(session: Session) -> tuple[set[str], dict[str, set[str]]]:
     keys: set[str] = set()
     formats: dict[str, set[str]] = {}
     now = utcnow()
-    rows = session.execute(sa.select(WorkerRow.fingerprint_keys, WorkerRow.model_formats,
-                                     WorkerRow.last_seen, WorkerRow.heartbeat_s)
-                           .where(sa.not_(WorkerRow.stopped)))
+    table = WorkerRow.__table__
+    rows = session.execute(sa.select(table.c.fingerprint_keys, table.c.model_formats,
+                                     table.c.last_seen, table.c.heartbeat_s)
+                           .where(sa.not_(table.c.stopped)))
     for fingerprint_keys, model_formats, last_seen, heartbeat_s in rows:
         if now - last_seen < worker_ttl(heartbeat_s):
             keys.update(fingerprint_keys)
