@@ -293,14 +293,28 @@ def seed(database_url: str, store_uri: str, signing_key: Path, agents: int) -> l
     return model_ids
 
 
-def postgres_cpu() -> float:
-    """User + system seconds of every PostgreSQL server process on this machine."""
-    total = 0.0
-    for process in psutil.process_iter(["name"]):
-        if process.info["name"] in ("postgres", "postmaster"):
+class PostgresCpu:
+    """User + system seconds the PostgreSQL server processes of this machine spent since
+    ``start``, sampled (``sample``) every second: a backend that exits between two samples
+    keeps what the last one saw; one that started meanwhile counts from zero."""
+
+    def __init__(self) -> None:
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.started = False
+
+    def sample(self) -> None:
+        for process in psutil.process_iter(["name"]):
+            if process.info["name"] not in ("postgres", "postmaster"):
+                continue
             with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                total += sum(process.cpu_times()[:2])
-    return total
+                cpu = sum(process.cpu_times()[:2])
+                self.first.setdefault(process.pid, cpu if not self.started else 0.0)
+                self.last[process.pid] = cpu
+        self.started = True
+
+    def seconds(self) -> float:
+        return sum(self.last[pid] - self.first[pid] for pid in self.last)
 
 
 def pg_activity(admin: sa.Engine, db: str) -> tuple[float, int]:
@@ -364,13 +378,16 @@ async def run(args, stack: EmbeddedStack, admin: sa.Engine, db: str,
                                                                args.submit_rate))
                          if submit else None)
             active0, xacts0 = pg_activity(admin, db)
-            api_cpu0, own_cpu0, pg_cpu0 = api.cpu(), sum(me.cpu_times()[:2]), postgres_cpu()
+            api_cpu0, own_cpu0 = api.cpu(), sum(me.cpu_times()[:2])
+            postgres = PostgresCpu()
+            postgres.sample()
             psutil.cpu_percent()  # the machine's busy share counts from here
             phase.started = time.perf_counter()
             change_s = None
             while time.perf_counter() - phase.started < args.phase_s:
                 await asyncio.sleep(1.0)
                 phase.api_rss.append(api.rss())
+                postgres.sample()
                 if submit and change_s is None and (
                         time.perf_counter() - phase.started >= args.phase_s / 2):
                     fleet.changed_at = time.perf_counter()
@@ -380,7 +397,8 @@ async def run(args, stack: EmbeddedStack, admin: sa.Engine, db: str,
                           f"{len(phase.submissions)} submissions, errors {phase.errors}")
             phase.api_cpu_s = api.cpu() - api_cpu0
             phase.own_cpu_s = sum(me.cpu_times()[:2]) - own_cpu0
-            phase.pg_cpu_s = postgres_cpu() - pg_cpu0
+            postgres.sample()
+            phase.pg_cpu_s = postgres.seconds()
             phase.busy = psutil.cpu_percent() / 100
             if submitter is not None:
                 fleet.submitting = False

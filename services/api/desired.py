@@ -67,6 +67,9 @@ logger = logging.getLogger(__name__)
 #: How far back each re-check looks for finished jobs before the previous one (a job's
 #: transaction may commit a moment after the finish time it records).
 RECHECK_OVERLAP = timedelta(seconds=5)
+#: How often the whole re-check runs at the most (builds finished, artifacts, plugins,
+#: registrations), seconds; deployments are looked at every ``KILN_DESIRED_STATE_RECHECK_S``.
+FULL_RECHECK_S = 1.0
 #: The name of the re-check's thread.
 RECHECK_THREAD = "kiln-desired-recheck"
 #: The most agent profiles a process keeps (about 1 KB each); past it, all are read again.
@@ -369,6 +372,12 @@ class DesiredStateHub:
     def recheck(self, session: Session, since: datetime) -> None:
         """Compare the deployments' generations with the last seen, and wake for the
         deployments that differ and for the models of jobs finished after ``since``."""
+        self.recheck_deployments(session)
+        self._recheck_the_rest(session, since)
+
+    def recheck_deployments(self, session: Session) -> None:
+        """The deployments part of ``recheck`` alone (one query): what a deployment or a
+        rollout changed through another process, which agents expect within 0.1 s."""
         rows = session.execute(sa.select(DeploymentRow.id, DeploymentRow.generation,
                                          DeploymentRow.selector)).all()
         now = {row.id: (row.generation, dict(row.selector)) for row in rows}
@@ -386,6 +395,8 @@ class DesiredStateHub:
                     self.deployment_changed(deployment_id, selector, generation=generation)
             for deployment_id in before.keys() - now.keys():
                 self.deployment_changed(deployment_id, None)
+
+    def _recheck_the_rest(self, session: Session, since: datetime) -> None:
         # Agents registered (again) through another replica: their labels or keys may differ.
         again = repo.registered_since(session, since - RECHECK_OVERLAP)
         if again:
@@ -434,6 +445,8 @@ class Rechecker:
         self.key_id = key_id
         self._key: str | None = None
         self.interval_s = interval_s
+        #: How often the whole re-check runs; the deployments alone every ``interval_s``.
+        self.full_interval_s = max(FULL_RECHECK_S, interval_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=RECHECK_THREAD,
                                         daemon=True)
@@ -453,19 +466,24 @@ class Rechecker:
                 self.hub.recheck(session, since)
         except Exception:
             logger.warning("first look at the deployments failed", exc_info=True)
+        last_full = time.monotonic()
         while not self._stop.wait(self.interval_s):
             if not self.hub.active():
                 since = utcnow()
                 continue
-            started = utcnow()
+            started, full = utcnow(), time.monotonic() - last_full >= self.full_interval_s
             try:
                 if self.key_id is not None:
                     key, self._key = self._key, self.key_id()
                     if key is not None and key != self._key:
                         self.hub.wake_all("the online key changed")
                 with self.session_factory() as session:
-                    self.hub.recheck(session, since)
-                since = started
+                    if full:
+                        self.hub.recheck(session, since)
+                    else:
+                        self.hub.recheck_deployments(session)
+                if full:
+                    since, last_full = started, time.monotonic()
                 next(self.checks)
             except Exception:  # the database may be away for a while; the next try follows
                 logger.warning("re-check of desired-state changes failed", exc_info=True)

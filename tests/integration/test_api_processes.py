@@ -93,17 +93,20 @@ def test_sigterm_answers_held_long_polls_and_stops_every_process(stack):
     with httpx.Client(base_url=stack.api_url, headers=headers, timeout=30) as api:
         api.post("/v1/agents", json=registration("n1", KEY)).raise_for_status()
         digest = api.get("/v1/agents/n1/desired-state").headers["ETag"].strip('"')
-    answers: list[int] = []
+    answers: list[int | str] = []
 
     def hold() -> None:
-        with httpx.Client(base_url=stack.api_url, headers=headers, timeout=40) as own:
-            answers.append(own.get("/v1/agents/n1/desired-state",
-                                   params={"after": digest, "wait": 60}).status_code)
+        try:
+            with httpx.Client(base_url=stack.api_url, headers=headers, timeout=40) as own:
+                answers.append(own.get("/v1/agents/n1/desired-state",
+                                       params={"after": digest, "wait": 60}).status_code)
+        except httpx.HTTPError as exc:
+            answers.append(repr(exc))
 
     threads = [threading.Thread(target=hold) for _ in range(6)]
     for thread in threads:
         thread.start()
-    time.sleep(1.5)
+    time.sleep(3.0)  # every long-poll is held (a busy machine takes its time to connect)
     children = serving_processes(stack)
     started = time.monotonic()
     os.killpg(stack.processes[0].pid, 15)
@@ -111,5 +114,5 @@ def test_sigterm_answers_held_long_polls_and_stops_every_process(stack):
     for thread in threads:
         thread.join(20)
     assert time.monotonic() - started < 10
-    assert answers == [204] * 6
+    assert answers == [204] * 6, answers
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
