@@ -147,10 +147,11 @@ class KilnSettings(SharedSettings):
     #: one reaches the agents the others hold within about 0.1 s. Replicas on several hosts
     #: want 0.1 too.
     desired_state_recheck_s: float | None = Field(None, ge=0)
-    #: Processes `kiln api` serves with (uvicorn workers sharing its port): a Python process
-    #: uses one core, and a large fleet's heartbeats, long-polls and submissions want more.
-    #: Each process keeps its own caches and background threads; they agree through the
-    #: database (rows are claimed with `SKIP LOCKED`, long-polls wake through the re-check).
+    #: Processes `kiln api` serves its port with (each binds it with `SO_REUSEPORT`; the
+    #: kernel spreads connections over them): a Python process uses one core, and a large
+    #: fleet's heartbeats, long-polls and submissions want more. Each keeps its own caches and
+    #: background threads; they agree through the database (rows are claimed with
+    #: `SKIP LOCKED`, long-polls wake through the re-check).
     api_processes: int = Field(1, ge=1, le=64)
     #: How often a `kiln api` process runs a full garbage collection, seconds; automatic full
     #: collections are off in between, and what start-up built is frozen out of every
