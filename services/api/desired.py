@@ -278,9 +278,9 @@ class DesiredStateHub:
         thread) and kept."""
         if self.cache.ttl_s <= 0:
             return read()
+        if (kept := self.kept_profile(name)) is not None:
+            return kept
         with self._lock:
-            if (kept := self._profiles.get(name)) is not None:
-                return kept
             reads = self._reads
         profile = read()
         with self._lock:
@@ -304,9 +304,9 @@ class DesiredStateHub:
         """The active rollouts: kept (at most ``cache_s``), or ``read()`` and kept."""
         if self.cache.ttl_s <= 0:
             return read()
+        if (kept := self.kept_rollouts()) is not None:
+            return kept
         with self._lock:
-            if self._rollouts is not None and self._rollouts[1] > time.monotonic():
-                return self._rollouts[0]
             reads = self._reads
         rollouts = read()
         with self._lock:

@@ -17,8 +17,7 @@ import pytest
 
 from kiln.examples import mlp
 from kiln.stack import EmbeddedStack
-from tests.conftest import free_port
-from tests.integration.conftest import dump_logs_if_failed
+from tests.integration.conftest import running_stack
 from tests.services.api.conftest import registration
 
 pytestmark = pytest.mark.integration
@@ -31,15 +30,9 @@ AGENTS = 16
 
 @pytest.fixture
 def stack(request, tmp_path: Path, postgres_url: str, redis_url: str) -> Iterator[EmbeddedStack]:
-    stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(), workers=0, overrides={
+    yield from running_stack(request, tmp_path, workers=0, overrides={
         "KILN_DATABASE_URL": postgres_url, "KILN_BROKER_URL": redis_url,
         "KILN_API_PROCESSES": "2"})
-    try:
-        stack.start()
-        yield stack
-    finally:
-        stack.stop()
-        dump_logs_if_failed(request, stack.home)
 
 
 def serving_processes(stack: EmbeddedStack) -> list[psutil.Process]:
