@@ -16,6 +16,7 @@ Nothing here reads the environment: the services' settings name the declared fil
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -349,15 +350,32 @@ def detect_accelerators() -> tuple[list[AcceleratorInfo], str | None]:
 
 # -- toolchain versions ---------------------------------------------------------------------
 
-def package_version(*distributions: str) -> str | None:
+def package_version(*distributions: str, module: str | None = None) -> str | None:
     """The version of the first of ``distributions`` installed here (package metadata; nothing
-    is imported)."""
+    is imported).
+
+    With ``module``, the distribution that holds the package ``import module`` would load wins:
+    where two are installed side by side (``onnxruntime`` pulled in by a dependency, and
+    ``onnxruntime-gpu`` earlier on the path), the one that runs is the one that counts."""
+    found: list[metadata.Distribution] = []
     for distribution in distributions:
         try:
-            return metadata.version(distribution)
+            found.append(metadata.distribution(distribution))
         except metadata.PackageNotFoundError:
             continue
-    return None
+    if not found:
+        return None
+    if module is not None and len(found) > 1:
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+        for dist in found:
+            if origin is not None and Path(str(dist.locate_file(
+                    f"{module}/__init__.py"))).resolve() == origin:
+                return dist.version
+    return found[0].version
 
 
 def detect_runtimes(cuda: str | None = None) -> dict[str, str | None]:

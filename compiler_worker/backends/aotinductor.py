@@ -101,6 +101,14 @@ BASELINE_MARCH = {"x86_64": "x86-64", "aarch64": "armv8-a"}
 MAX_LIBRARY_BYTES = 4 << 30
 
 
+def _has_march_setting() -> bool:
+    """Whether this torch's Inductor takes ``cpp.march`` (older releases compile with their
+    own ``-march``)."""
+    from torch._inductor import config
+
+    return hasattr(config.cpp, "march")
+
+
 def vector_settings(level: str, host_features: set[str] | frozenset[str]) -> tuple[str, int]:
     """(``cpp.march``, ``cpp.simdlen``) that keep Inductor's code within x86-64 ``level``
     on a host with ``host_features``."""
@@ -369,7 +377,12 @@ class AOTInductorBackend(Backend):
             from torch.export.passes import move_to_device_pass
 
             program = move_to_device_pass(program, "cuda")
-            configs["cpp.march"] = BASELINE_MARCH.get(fingerprint.cpu.arch, "")  # type: ignore[union-attr]
+            if _has_march_setting():
+                configs["cpp.march"] = BASELINE_MARCH.get(fingerprint.cpu.arch, "")  # type: ignore[union-attr]
+            else:  # an older torch: the host wrapper gets Inductor's own flags
+                logger.warning("torch %s has no inductor setting cpp.march: the host wrapper "
+                               "of this CUDA package is compiled with Inductor's default "
+                               "flags", torch.__version__)
             runtime_config.update(device="cuda", compute_capability=f"{cc[0]}.{cc[1]}")
         else:
             host = detect_cpu()
@@ -380,6 +393,11 @@ class AOTInductorBackend(Backend):
                 raise FingerprintMismatch(
                     f"the {self.name} CPU backend builds for an x86-64 level this host can "
                     f"execute; the fingerprint declares {level}, this host is {host_level}")
+            if not _has_march_setting():
+                raise BackendUnavailable(
+                    f"torch {torch.__version__} has no inductor setting cpp.march, which the "
+                    f"{self.name} CPU backend needs to hold a package to an x86-64 level; "
+                    f"build CPU packages with a torch that has it", backend=self.name)
             march, simdlen = vector_settings(level, set(host.features))
             configs.update({"cpp.march": march, "cpp.simdlen": simdlen})
             runtime_config.update(device="cpu", isa_class=level, march=march, simdlen=simdlen,

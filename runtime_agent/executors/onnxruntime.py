@@ -86,7 +86,9 @@ def onnxruntime_api_version(version: str | None = None) -> int | None:
     the installed one) serves. In onnxruntime 1.x that is the minor version (1.32 serves API
     versions 1..32; ``GetApi(33)`` returns NULL), and the C API is append-only: a runtime
     serving ``M`` runs every library built for ``N <= M``. ``None`` without onnxruntime."""
-    parts = version_tuple(version if version is not None else package_version(*DISTRIBUTIONS))
+    if version is None:
+        version = package_version(*DISTRIBUTIONS, module="onnxruntime")
+    parts = version_tuple(version)
     if len(parts) < 2 or parts[0] != 1:
         return None
     return parts[1]
@@ -147,7 +149,7 @@ class OnnxRuntimeExecutor(Executor):
 
     @classmethod
     def probe_version(cls) -> str | None:
-        return package_version(*DISTRIBUTIONS)
+        return package_version(*DISTRIBUTIONS, module="onnxruntime")
 
     @classmethod
     def custom_op_adapter(cls, plugins: Sequence[LoadedPlugin], ops: Iterable[str],
@@ -394,13 +396,31 @@ class _Binding:
         else:
             self.public.bind_output(name, self._device, 0)
 
+    def _cuda(self, device_id: int) -> Any:
+        """onnxruntime's native description of CUDA device ``device_id``, made once."""
+        device = self._devices.get(device_id)
+        if device is None:
+            import onnxruntime as ort
+
+            device = self._devices[device_id] = ort.OrtDevice.make(
+                "cuda", device_id)._get_c_device()
+        return device
+
     def bind_device_input(self, name: str, tensor: DeviceTensor) -> None:
-        self.public.bind_input(name, "cuda", tensor.device_id, tensor.dtype, tensor.shape,
-                               tensor.pointer)
+        if self._native is not None:
+            self._native.bind_input(name, self._cuda(tensor.device_id), tensor.dtype,
+                                    tensor.shape, tensor.pointer)
+        else:
+            self.public.bind_input(name, "cuda", tensor.device_id, tensor.dtype, tensor.shape,
+                                   tensor.pointer)
 
     def bind_device_output(self, name: str, tensor: DeviceTensor) -> None:
-        self.public.bind_output(name, "cuda", tensor.device_id, tensor.dtype, tensor.shape,
-                                tensor.pointer)
+        if self._native is not None:
+            self._native.bind_output(name, self._cuda(tensor.device_id), tensor.dtype,
+                                     tensor.shape, tensor.pointer)
+        else:
+            self.public.bind_output(name, "cuda", tensor.device_id, tensor.dtype,
+                                    tensor.shape, tensor.pointer)
 
     def run(self, run_options: Any) -> None:
         if self._native is not None:

@@ -361,3 +361,28 @@ def test_older_variant_refuses_what_has_no_level_below(fp: HardwareFingerprint) 
 
     with pytest.raises(ValueError):
         older_variant(fp)
+
+
+def test_the_installed_runtime_is_the_one_import_loads(tmp_path: Path, monkeypatch) -> None:
+    """Two distributions of one package side by side (a CPU build pulled in by a dependency,
+    a GPU build earlier on the path): the version reported is the one ``import`` loads."""
+    from runtime_agent.fingerprint import package_version
+
+    def install(root: Path, dist: str, version: str, with_package: bool) -> None:
+        info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        if with_package:
+            (root / "kilnfakeort").mkdir()
+            (root / "kilnfakeort" / "__init__.py").write_text("")
+
+    cpu, gpu = tmp_path / "site-cpu", tmp_path / "site-gpu"
+    install(cpu, "kilnfakeort", "1.30.0", with_package=True)
+    install(gpu, "kilnfakeort-gpu", "1.31.1", with_package=True)
+    monkeypatch.setattr(sys, "path", [str(gpu), str(cpu), *sys.path])
+    assert package_version("kilnfakeort", "kilnfakeort-gpu") == "1.30.0"  # by name alone
+    assert package_version("kilnfakeort", "kilnfakeort-gpu", module="kilnfakeort") == "1.31.1"
+    monkeypatch.setattr(sys, "path", [str(cpu), str(gpu), *sys.path[2:]])
+    assert package_version("kilnfakeort", "kilnfakeort-gpu", module="kilnfakeort") == "1.30.0"
+    assert package_version("kilnfakeort-gpu", module="kilnfakeort") == "1.31.1"  # only one
+    assert package_version("absent-dist", module="kilnfakeort") is None
