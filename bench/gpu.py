@@ -222,6 +222,9 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("bench/gpu.py needs a CUDA GPU that torch sees")
+    # The peers are fp32 engines: eager PyTorch in full fp32 too (torch lets cuDNN use TF32
+    # by default), as Kiln runs an fp32 AOTInductor package.
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     import onnxruntime as ort
 

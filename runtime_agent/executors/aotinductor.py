@@ -55,10 +55,11 @@ a GPU of another compute capability — naming both sides.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -357,12 +358,32 @@ class AOTInductorExecutor(Executor):
         self._lock = threading.Lock()  # one call at a time through the package's runner
         logger.debug("loaded %s on %s", path, self._device)
 
+    @contextlib.contextmanager
+    def _full_fp32(self) -> Iterator[None]:
+        """A CUDA package of precision fp32 runs its convolutions and matrix products in full
+        fp32: torch lets cuDNN use TF32 by default, which on an H100 put a random-weight
+        ResNet-50's logits 0.04 away from the fp32 reference, and verification (rightly)
+        refused the engine. The flags are process-wide, so they are set for the call only
+        (calls are serialized by ``_lock``) and put back after."""
+        torch = self._torch
+        if self._device != "cuda" or self.manifest.runtime_config.get("precision",
+                                                                       "fp32") != "fp32":
+            yield
+            return
+        cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+        saved = cudnn.allow_tf32, matmul.allow_tf32
+        cudnn.allow_tf32 = matmul.allow_tf32 = False
+        try:
+            yield
+        finally:
+            cudnn.allow_tf32, matmul.allow_tf32 = saved
+
     def _run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         torch = self._torch
         args = [torch.from_numpy(np.ascontiguousarray(inputs[name])).to(self._device)
                 for name in self._input_order]
         try:
-            with self._lock, torch.inference_mode():
+            with self._lock, torch.inference_mode(), self._full_fp32():
                 result = self._model(*args)
         except Exception as exc:  # torch raises its own untyped errors
             raise InvalidRequest(

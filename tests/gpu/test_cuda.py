@@ -105,6 +105,42 @@ def test_aotinductor_builds_verifies_and_runs_a_cuda_package(tmp_path: Path) -> 
         load_executor(directory, manifest.model_copy(update={"runtime_config": other}))
 
 
+def test_an_fp32_cuda_package_of_convolutions_passes_fp32_verification(tmp_path: Path) -> None:
+    """torch lets cuDNN use TF32 by default; an fp32 package must not, or a stack of
+    convolutions drifts past the fp32 reference's tolerance and verification refuses it. The
+    executor turns TF32 off for the call and puts the process's flags back after."""
+    from compiler_worker.backends import AOTInductorBackend
+    from compiler_worker.pipeline import compile_model, plan_build, write_artifact_dir
+    from kiln import runtime
+    from runtime_agent.fingerprint import detect_fingerprint
+    from schemas.options import CompileOptions
+
+    torch.manual_seed(0)
+    layers: list = []
+    for cin, cout in ((3, 64), (64, 128), (128, 128), (128, 64)):
+        layers += [torch.nn.Conv2d(cin, cout, 3, padding=1), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Flatten(), torch.nn.Linear(64 * 16 * 16, 10))
+    model.eval()
+    x = torch.randn(2, 3, 16, 16)
+    path = tmp_path / "convs.pt2"
+    torch.export.save(torch.export.export(model, (x,)), str(path))
+    fingerprint = detect_fingerprint()
+    options = CompileOptions(backends=["aotinductor"], optimization_level=1)
+    plan = plan_build("1" * 64, options, fingerprint,
+                      key=AOTInductorBackend().fingerprint_key(fingerprint),
+                      model_format="torch-export")
+    result = compile_model(path.read_bytes(), options, fingerprint=fingerprint,
+                           workdir=tmp_path / "work", plan=plan)
+    assert result.manifest.verification.passed
+    loaded = runtime.load(write_artifact_dir(result, tmp_path / "artifact"))
+    flags = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    got = loaded.run({result.manifest.inputs[0].name: x.numpy()})
+    assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == flags
+    with torch.no_grad():
+        want = model(x).numpy()
+    np.testing.assert_allclose(got[result.manifest.outputs[0].name], want, rtol=1e-3, atol=1e-4)
+
+
 # -- onnxruntime on CUDA ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
