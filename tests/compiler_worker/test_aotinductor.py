@@ -207,6 +207,21 @@ def disassemble(package: Path, scratch: Path) -> str:
     return "\n".join(text)
 
 
+def test_a_torch_without_cpp_march_builds_no_cpu_package(exported, fingerprint, tmp_path,
+                                                          monkeypatch) -> None:
+    """Older torch releases have no ``cpp.march``: a CPU package could not be held to an
+    x86-64 level, so the build is refused before anything compiles."""
+    from compiler_worker.backends import aotinductor
+
+    monkeypatch.setattr(aotinductor, "_has_march_setting", lambda: False)
+    path, _ = exported
+    candidate = AOTI.candidates(fingerprint, CompileOptions())[0]
+    with pytest.raises(BackendUnavailable, match=r"has no inductor setting cpp\.march"):
+        AOTI.build(path, CompileOptions(), tmp_path / "build", fingerprint=fingerprint,
+                   candidate=candidate)
+    assert not (tmp_path / "build" / "engine.pt2").exists()
+
+
 @pytest.fixture(scope="module")
 def built_here(exported, tmp_path_factory, fingerprint):
     path, _ = exported
