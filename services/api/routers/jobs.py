@@ -70,6 +70,7 @@ def create_compile_jobs(
                 jobs.append(repo.create_cached_job(
                     session, model_id=request.model_id, options=request.options,
                     fingerprint_key=key, artifact_id=cached.id, read=True,
+                    options_digest=digest,
                 ))
                 continue
             found_broken = True

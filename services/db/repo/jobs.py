@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from collections.abc import Callable
@@ -115,27 +116,49 @@ def create_cached_job(
     fingerprint_key: str,
     artifact_id: str,
     read: bool = False,
+    options_digest: str | None = None,
 ) -> CompileJob:
     """A job answered from an existing artifact: already ``succeeded``, ``cache_hit=True``.
     ``read``: the caller read the model and the artifact in this transaction, so they are not
-    looked up again (the foreign keys still hold)."""
+    looked up again (the foreign keys still hold). ``options_digest``: ``options.digest()``
+    when the caller has it already."""
     if not read:
         _require_model(session, model_id)
         _require_artifact(session, artifact_id)
-    row = _new_job(model_id, options, fingerprint_key)
-    row.status = JobStatus.SUCCEEDED.value
-    row.stage = JobStage.DONE.value
-    row.progress = 1.0
-    row.artifact_id = artifact_id
-    row.cache_hit = True
-    row.finished_at = row.created_at
-    # One INSERT, without the unit of work (a cached answer is the busiest write of a farm
-    # whose models are built: 200 a second in bench/scale.py).
-    mapper = sa.inspect(CompileJobRow)
-    session.execute(sa.insert(CompileJobRow.__table__).values({
-        attr.columns[0].key: getattr(row, attr.key) for attr in mapper.column_attrs
-        if attr.key in row.__dict__}))
-    return _job(row)
+    now = utcnow()
+    job = CompileJob(
+        id=uuid.uuid4().hex, model_id=model_id, options=options,
+        options_digest=options_digest or options.digest(), fingerprint_key=fingerprint_key,
+        status=JobStatus.SUCCEEDED, stage=JobStage.DONE, progress=1.0, error=None,
+        artifact_id=artifact_id, cache_hit=True, attempts=0, retries=0, force=False,
+        worker=None, created_at=now, updated_at=now, finished_at=now,
+    )
+    # One INSERT of plain values: no unit of work, no mapped object, and the options already
+    # validated are not validated again (a cached answer is the busiest write of a farm whose
+    # models are built: 200 a second in bench/scale.py).
+    session.execute(_insert_job(), {
+        _job_columns()[key]: value for key, value in (
+            ("id", job.id), ("model_id", model_id),
+            ("options", options.model_dump(mode="json")),
+            ("options_digest", job.options_digest), ("fingerprint_key", fingerprint_key),
+            ("status", JobStatus.SUCCEEDED.value), ("stage", JobStage.DONE.value),
+            ("progress", 1.0), ("error", None), ("artifact_id", artifact_id),
+            ("cache_hit", True), ("attempts", 0), ("retries", 0), ("force", False),
+            ("worker", None), ("created_at", now), ("updated_at", now), ("finished_at", now),
+        )})
+    return job
+
+
+@functools.cache
+def _insert_job() -> sa.Insert:
+    return sa.insert(CompileJobRow.__table__)
+
+
+@functools.cache
+def _job_columns() -> dict[str, str]:
+    """Mapped attribute name → column key of the jobs table."""
+    return {attr.key: attr.columns[0].key
+            for attr in sa.inspect(CompileJobRow).column_attrs}
 
 
 def lock_job(session: Session, *, job_id: str) -> CompileJob:

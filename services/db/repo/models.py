@@ -21,7 +21,7 @@ from services.db.tables import ModelRow, utcnow
 
 log = logging.getLogger(__name__)
 
-def _model_info(row: ModelRow) -> ModelInfo:
+def _model_info(row: ModelRow | sa.Row) -> ModelInfo:
     return ModelInfo(
         id=row.id,
         name=row.name,
@@ -87,10 +87,16 @@ def get_model(session: Session, *, model_id: str) -> ModelInfo:
 def lookup_model(session: Session, value: str) -> ModelInfo:
     """The model whose id is ``value`` (one read) or, failing that, the only one whose id
     starts with it (``resolve_id``: ``NotFound``, or ``AmbiguousId``)."""
-    row = session.get(ModelRow, value)
+    # Core, not the unit of work: a submission's first read, on every compile request.
+    row = session.execute(_MODEL_BY_ID, {"id": value}).first()
     if row is None:
-        row = _require_model(session, resolve_id(session, "model", value))
+        return _model_info(_require_model(session, resolve_id(session, "model", value)))
     return _model_info(row)
+
+
+_MODEL_BY_ID = sa.select(ModelRow.id, ModelRow.name, ModelRow.size_bytes, ModelRow.format,
+                         ModelRow.opset, ModelRow.ir_version, ModelRow.inputs, ModelRow.outputs,
+                         ModelRow.created_at).where(ModelRow.id == sa.bindparam("id"))
 
 
 def get_model_blob_key(session: Session, *, model_id: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from datetime import timedelta
 
@@ -108,16 +109,20 @@ def live_workers(session: Session) -> tuple[set[str], dict[str, set[str]]]:
     keys: set[str] = set()
     formats: dict[str, set[str]] = {}
     now = utcnow()
-    table = WorkerRow.__table__
-    rows = session.execute(sa.select(table.c.fingerprint_keys, table.c.model_formats,
-                                     table.c.last_seen, table.c.heartbeat_s)
-                           .where(sa.not_(table.c.stopped)))
+    rows = session.execute(_live_workers_statement())
     for fingerprint_keys, model_formats, last_seen, heartbeat_s in rows:
         if now - last_seen < worker_ttl(heartbeat_s):
             keys.update(fingerprint_keys)
             for key, names in (model_formats or {}).items():
                 formats.setdefault(key, set()).update(names)
     return keys, formats
+
+
+@functools.cache
+def _live_workers_statement() -> sa.Select:
+    table = WorkerRow.__table__
+    return sa.select(table.c.fingerprint_keys, table.c.model_formats, table.c.last_seen,
+                     table.c.heartbeat_s).where(sa.not_(table.c.stopped))
 
 
 def live_worker_keys(session: Session) -> set[str]:
