@@ -13,6 +13,7 @@ Layout inside a store::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -333,10 +334,10 @@ class ArtifactStore(ABC):
         when the artifact is whole; a cache hit on anything else is no hit. A store that does
         not answer raises ``StoreError``: an outage is not a loss."""
         try:
-            manifest = self.read_manifest(artifact_id)
+            blobs = _manifest_blobs(artifact_id, self.manifest_bytes(artifact_id), self.uri)
         except (NotFound, IntegrityError) as exc:
             return [f"manifest ({exc.message})"]
-        return [ref.name for ref in manifest.blobs if not self.has_blob(ref)]
+        return [ref.name for ref in blobs if not self.has_blob(ref)]
 
     def delete_manifest(self, artifact_id: str) -> None:
         """Remove an artifact's manifest (a broken or deleted artifact): a manifest whose
@@ -401,3 +402,18 @@ class ArtifactStore(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
+
+
+@functools.lru_cache(maxsize=1024)
+def _manifest_blobs(artifact_id: str, data: bytes, uri: str) -> tuple[BlobRef, ...]:
+    """The blobs a stored manifest names, parsed once per distinct manifest bytes: every
+    cached compile request checks its artifact is still whole (``missing_parts``), and
+    decoding the whole manifest each time cost more than reading it. Keyed by the bytes, so a
+    manifest rewritten under the same id is parsed anew; a malformed one raises each time."""
+    manifest = manifest_from_bytes(
+        data, what=f"the stored manifest of artifact {artifact_id!r} in {uri}")
+    if manifest.artifact_id != artifact_id:
+        raise IntegrityError(
+            f"the manifest stored for artifact {artifact_id!r} in {uri} describes artifact "
+            f"{manifest.artifact_id!r}", artifact_id=artifact_id)
+    return tuple(manifest.blobs)

@@ -25,6 +25,7 @@ from schemas.errors import (
     SignatureInvalid,
     StoreError,
 )
+from schemas.manifest import BlobRef
 from tests.artifact_store.conftest import ManifestBuilder
 from tests.conftest import free_port
 
@@ -215,6 +216,31 @@ def test_manifest_signed_by_untrusted_key_fails(
         store.read_manifest("art-1", Verifier([other.public_pem()]))
     assert signer.key_id in info.value.message
     assert other.key_id in info.value.message
+
+
+def test_missing_parts_sees_a_manifest_rewritten_under_the_same_id(
+    store: ArtifactStore, signer: Signer, make_manifest: ManifestBuilder
+) -> None:
+    """The check a cached compile request makes parses each distinct manifest once: one
+    rewritten under the same id (here naming a blob that is gone) is read anew, and a lost
+    blob or manifest shows at once."""
+    ref = store.put_blob_bytes(b"engine bytes", name="engine")
+    manifest = store.publish_manifest(make_manifest([ref]), signer)
+    assert store.missing_parts(manifest.artifact_id) == []
+    assert store.missing_parts(manifest.artifact_id) == []  # the parsed blobs, reused
+    gone = BlobRef(name="weights", sha256="f" * 64, size=3,
+                   media_type="application/octet-stream")
+    key = store.manifest_key(manifest.artifact_id)
+    stored = json.loads(store.get_bytes(key))
+    payload = json.loads(base64.b64decode(stored["payload"]))
+    payload["blobs"].append(gone.model_dump(mode="json"))
+    stored["payload"] = base64.b64encode(json.dumps(payload).encode()).decode()
+    store.put_bytes(key, json.dumps(stored).encode())
+    assert store.missing_parts(manifest.artifact_id) == ["weights"]
+    store.put_bytes(key, b"{not json")
+    assert store.missing_parts(manifest.artifact_id)[0].startswith("manifest (")
+    store.delete_manifest(manifest.artifact_id)
+    assert store.missing_parts(manifest.artifact_id)[0].startswith("manifest (")
 
 
 def test_stored_manifest_that_is_not_json_is_an_integrity_error(store: ArtifactStore) -> None:
