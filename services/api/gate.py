@@ -23,6 +23,7 @@ set, and a refusal is the dashboard's own answer (a redirect to its login page, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -49,6 +50,9 @@ from services.api.revocations import RevocationList
 from services.config import KilnSettings
 
 logger = logging.getLogger(__name__)
+
+#: Distinct (method, path) pairs whose route ``FrontDoor.match`` remembers.
+MATCH_CACHE = 65_536
 
 #: ``openapi_extra`` key of an upload route: the settings field holding its body limit.
 BODY_LIMIT = "x-kiln-body-limit"
@@ -154,6 +158,10 @@ class FrontDoor:
         self.public = frozenset(public)
         self.revocations = revocations
         self._policies: list[tuple[RouteContext, _Policy | None]] | None = None
+        #: (method, root path, path) → what ``match`` found: every request walked the
+        #: routes once here before the router walked them again (10,000 agents' heartbeat
+        #: paths fit; the least recently used are dropped beyond that).
+        self._matched = functools.lru_cache(maxsize=MATCH_CACHE)(self._match)
 
     # ------------------------------------------------------------ policy per route
     def _json_policy(self, roles: tuple[Role, ...] | None) -> _Policy:
@@ -198,9 +206,15 @@ class FrontDoor:
     def match(self, scope: Scope) -> tuple[_Policy, dict[str, object]]:
         """The policy of the route ``scope`` reaches (a route matching the path but not the
         method counts: a 405 follows), with its path parameters; a path no route has needs a
-        token (404 after)."""
-        if scope["path"] in self.public:
+        token (404 after). Remembered per method and path (the routes never change)."""
+        return self._matched(scope.get("method"), scope.get("root_path", ""), scope["path"])
+
+    def _match(self, method: str | None, root_path: str,
+               path: str) -> tuple[_Policy, dict[str, object]]:
+        if path in self.public:
             return self._json_policy(None), {}
+        scope: Scope = {"type": "http", "method": method, "root_path": root_path,
+                        "path": path}
         found: tuple[_Policy | None, dict[str, object]] | None = None
         for context, policy in self._route_policies():
             match, child = context.matches(scope)
