@@ -404,7 +404,7 @@ class ArtifactStore(ABC):
         return f"{type(self).__name__}({self.uri!r})"
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)  # the artifacts answered from the cache lately
 def _manifest_blobs(artifact_id: str, data: bytes, uri: str) -> tuple[BlobRef, ...]:
     """The blobs a stored manifest names, parsed once per distinct manifest bytes: every
     cached compile request checks its artifact is still whole (``missing_parts``), and
