@@ -36,6 +36,31 @@ def timed(fn: Callable[[], object], n: int, warmup: int = 10) -> list[float]:
     return samples
 
 
+def blocks(paths: dict[str, Callable[[], object]], rounds: int, block: int,
+           skip: int = 5, settle: Callable[[], object] | None = None) -> dict[str, list[float]]:
+    """Seconds per call of each path, in alternating blocks: every round runs each path's
+    block of ``block`` timed calls after ``skip`` untimed ones, the order reversed every other
+    round, so a drift of the machine's load falls on every path alike. ``settle`` runs after
+    the untimed calls and after each timed one, inside the timing (a device synchronize: the
+    figure is then the caller's latency, not the launch's)."""
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    order = list(paths)
+    for round_ in range(rounds):
+        for name in order if round_ % 2 == 0 else order[::-1]:
+            fn = paths[name]
+            for _ in range(skip):
+                fn()
+            if settle is not None:
+                settle()
+            for _ in range(block):
+                started = time.perf_counter()
+                fn()
+                if settle is not None:
+                    settle()
+                samples[name].append(time.perf_counter() - started)
+    return samples
+
+
 def fmt(samples: list[float], unit: float = 1.0, suffix: str = "s", digits: int = 3) -> str:
     """median [min–max], scaled by ``unit``."""
     med, lo, hi = statistics.median(samples), min(samples), max(samples)

@@ -35,6 +35,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import blocks
+
 
 def artifact_on_cuda(model: bytes, out: Path) -> Path:
     """The model compiled by Kiln's pipeline on this machine (onnxruntime, level 1: a portable
@@ -51,26 +53,6 @@ def artifact_on_cuda(model: bytes, out: Path) -> Path:
     directory = write_artifact_dir(result, out)
     (directory / "manifest.json").write_text(manifest.model_dump_json())
     return directory
-
-
-def blocks(paths: dict[str, Callable[[], object]], rounds: int, block: int,
-           skip: int = 10) -> dict[str, list[float]]:
-    import torch
-
-    samples: dict[str, list[float]] = {name: [] for name in paths}
-    order = list(paths)
-    for round_ in range(rounds):
-        for name in order if round_ % 2 == 0 else order[::-1]:
-            fn = paths[name]
-            for _ in range(skip):
-                fn()
-            torch.cuda.synchronize()
-            for _ in range(block):
-                started = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                samples[name].append(time.perf_counter() - started)
-    return samples
 
 
 def table(title: str, samples: dict[str, list[float]], peers: dict[str, str]) -> list[dict]:
@@ -232,6 +214,9 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="kiln-gpu-bench-"))
     report: dict[str, object] = {"gpu": torch.cuda.get_device_name(),
                                  "torch": torch.__version__, "onnxruntime": ort.__version__}
+    def measure(paths: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
+        return blocks(paths, args.rounds, args.block, skip=10, settle=torch.cuda.synchronize)
+
     for name in args.models.split(","):
         built = architectures.exported(name, work / "exports")
         import onnx
@@ -244,7 +229,7 @@ def main() -> None:
             paths, peers = ort_paths(artifact, module, feed)
             report[f"{name}/onnxruntime-cuda"] = table(
                 f"{name}, batch 1: onnxruntime on CUDA ({args.rounds} rounds × {args.block})",
-                blocks(paths, args.rounds, args.block), peers)
+                measure(paths), peers)
         else:
             print(f"\n{name}: onnxruntime has no CUDA execution provider here; skipped")
         if args.aoti:
@@ -252,7 +237,7 @@ def main() -> None:
             print(f"\nAOTInductor build through the pipeline: {info}")
             report[f"{name}/aotinductor-cuda"] = {"build": info, "rows": table(
                 f"{name}, batch 1: AOTInductor CUDA package ({args.rounds} rounds × "
-                f"{args.block})", blocks(paths, args.rounds, args.block), peers)}
+                f"{args.block})", measure(paths), peers)}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

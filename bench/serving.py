@@ -76,7 +76,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from _common import console, free_port
+from _common import blocks, console, free_port
 from rich.table import Table
 
 from kiln.examples import mlp
@@ -198,23 +198,6 @@ class Server:
         if self.proc.stdin:
             self.proc.stdin.close()
         self.proc.wait(30)
-
-
-def blocks(paths: dict[str, Callable[[], object]], rounds: int, block: int,
-           skip: int = 5) -> dict[str, list[float]]:
-    """Seconds per call of each path, in alternating blocks (see the module's docstring)."""
-    samples: dict[str, list[float]] = {name: [] for name in paths}
-    order = list(paths)
-    for round_ in range(rounds):
-        for name in order if round_ % 2 == 0 else order[::-1]:
-            fn = paths[name]
-            for _ in range(skip):
-                fn()
-            for _ in range(block):
-                started = time.perf_counter()
-                fn()
-                samples[name].append(time.perf_counter() - started)
-    return samples
 
 
 def throughput(make_call: Callable[[], Callable[[], object]], seconds: float) -> float:

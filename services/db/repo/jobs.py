@@ -136,8 +136,9 @@ def create_cached_job(
     # One INSERT of plain values: no unit of work, no mapped object, and the options already
     # validated are not validated again (a cached answer is the busiest write of a farm whose
     # models are built: 200 a second in bench/scale.py).
+    columns = _job_columns()
     session.execute(_insert_job(), {
-        _job_columns()[key]: value for key, value in (
+        columns[key]: value for key, value in (
             ("id", job.id), ("model_id", model_id),
             ("options", options.model_dump(mode="json")),
             ("options_digest", job.options_digest), ("fingerprint_key", fingerprint_key),
