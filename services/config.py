@@ -82,7 +82,7 @@ class KilnSettings(SharedSettings):
     #: Default: a SQLite file under ``home``. Production: ``postgresql+psycopg://...``.
     database_url: str | None = None
     #: PostgreSQL connections each API process keeps open. Size it to the requests an API
-    #: process serves at once that touch the database (its threadpool runs 40): a request that
+    #: process serves at once that touch the database (`KILN_API_THREADS`): a request that
     #: finds every kept connection busy opens one of ``db_max_overflow`` more, and a
     #: connection opened and closed per request costs PostgreSQL a server process each time.
     db_pool_size: int = Field(20, ge=1)
@@ -153,6 +153,18 @@ class KilnSettings(SharedSettings):
     #: background threads; they agree through the database (rows are claimed with
     #: `SKIP LOCKED`, long-polls wake through the re-check).
     api_processes: int = Field(1, ge=1, le=64)
+    #: Threads each `kiln api` process runs its blocking work in (database reads and writes,
+    #: the store's checks): anyio's default is 40. Each busy thread takes turns at the
+    #: interpreter lock with the event loop that answers heartbeats and held long-polls, so
+    #: 40 busy threads stall the loop behind them: under 200 submissions a second, heartbeat
+    #: p50 was 36 ms with 40 against 2.3 ms with 8 (`bench/scale.py`). Long waits (a sandboxed
+    #: inspection of an upload, the upload to the store) do not count against it
+    #: (`KILN_API_SLOW_THREADS`).
+    api_threads: int = Field(8, ge=1, le=256)
+    #: Threads each `kiln api` process gives to work that waits long on something else: the
+    #: sandboxed inspection of an upload and its copy into the store. Kept apart, a few large
+    #: uploads never hold the threads that short requests need.
+    api_slow_threads: int = Field(16, ge=1, le=256)
     #: How often a `kiln api` process runs a full garbage collection, seconds; automatic full
     #: collections are off in between, and what start-up built is frozen out of every
     #: collection (``services/api/collector.py``: with thousands of held long-polls, CPython's

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from artifact_store import open_store
 from schemas.version import KILN_VERSION
+from services.api import threads
 from services.api.collector import FullCollections
 from services.api.desired import DesiredStateHub, Rechecker
 from services.api.errors import install_error_handlers
@@ -113,6 +114,7 @@ def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = T
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        threads.configure(app, settings)
         sweeper = None
         if settings.job_sweep_s > 0:
             sweeper = JobSweeper(app.state.session_factory, app.state.celery,

@@ -84,6 +84,7 @@ from schemas.workers import WorkerInfo
 from services.api.auth import Principal, Role, check_worker_key
 from services.api.deps import RoleDep, SessionDep, SettingsDep, SignerDep, StoreDep
 from services.api.gate import BODY_LIMIT
+from services.api.threads import run_slow
 from services.db import repo
 from services.db.tables import utcnow
 from services.integrity import usable_artifact
@@ -166,8 +167,8 @@ async def upload_blob(
                 f"{digest.hexdigest()}, not the {x_kiln_sha256} the worker declared; "
                 f"nothing was stored", blob=name, expected_sha256=x_kiln_sha256,
                 actual_sha256=digest.hexdigest())
-        ref = await run_in_threadpool(store.put_blob, Path(tmp), name=name,
-                                      media_type=media_type)
+        ref = await run_slow(request, store.put_blob, Path(tmp), name=name,
+                             media_type=media_type)
     finally:
         Path(tmp).unlink(missing_ok=True)
     logger.info("job %s: received blob %s (%s, %d bytes)", job_id, name, ref.sha256, ref.size)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from fastapi import APIRouter, File, Response, UploadFile, status
-from starlette.concurrency import run_in_threadpool
+from fastapi import APIRouter, File, Request, Response, UploadFile, status
 
 from schemas.datasets import NPZ_MEDIA_TYPE, DatasetInfo
 from services.api.deps import (
@@ -25,6 +24,7 @@ from services.api.deps import (
 )
 from services.api.gate import BODY_LIMIT
 from services.api.inspection import inspect_dataset
+from services.api.threads import run_slow
 from services.api.transfers import received_upload
 from services.db import repo
 
@@ -38,7 +38,8 @@ router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
              openapi_extra={BODY_LIMIT: "max_dataset_bytes"})
 async def upload_dataset(
     response: Response, session: SessionDep, store: StoreDep, settings: SettingsDep,
-    _: AdminPrincipal, file: Annotated[UploadFile, File(description="the .npz file")],
+    _: AdminPrincipal, http: Request,
+    file: Annotated[UploadFile, File(description="the .npz file")],
 ) -> DatasetInfo:
     """Store an ``.npz`` of sample inputs: one array per model input, first axis = sample.
     Validated from its headers first (no pickles, no absurd shapes, within the size limit), in
@@ -46,10 +47,10 @@ async def upload_dataset(
     limit = min(settings.max_dataset_bytes, settings.max_upload_bytes)
     async with received_upload(file, max_bytes=limit, what="an .npz dataset",
                                limit_name="KILN_MAX_DATASET_BYTES") as (path, size):
-        tensors = await run_in_threadpool(inspect_dataset, path, settings=settings,
-                                          max_bytes=limit)
-        ref = await run_in_threadpool(store.put_blob, path, name="dataset",
-                                      media_type=NPZ_MEDIA_TYPE)
+        tensors = await run_slow(http, inspect_dataset, path, settings=settings,
+                                 max_bytes=limit)
+        ref = await run_slow(http, store.put_blob, path, name="dataset",
+                             media_type=NPZ_MEDIA_TYPE)
     dataset, created = repo.record_dataset(session, sha256=ref.sha256, size_bytes=size,
                                            tensors=tensors, blob_key=store.blob_key(ref.sha256))
     session.commit()

@@ -17,9 +17,8 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, File, Form, Response, UploadFile, status
+from fastapi import APIRouter, File, Form, Request, Response, UploadFile, status
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.concurrency import run_in_threadpool
 
 from schemas import CompileJob, CompileOptions, JobStatus, ModelInfo
 from schemas.errors import ErrorBody, InvalidModel
@@ -36,6 +35,7 @@ from services.api.deps import (
 from services.api.enqueue import enqueue_jobs
 from services.api.gate import BODY_LIMIT
 from services.api.inspection import check_model_upload
+from services.api.threads import run_slow
 from services.api.transfers import received_upload
 from services.db import repo
 
@@ -52,6 +52,7 @@ router = APIRouter(prefix="/v1/models", tags=["models"])
 )
 async def upload_model(
     response: Response,
+    http: Request,
     session: SessionDep,
     store: StoreDep,
     settings: SettingsDep,
@@ -77,10 +78,10 @@ async def upload_model(
             received.append((upload.filename, path))
         blob = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kiln-model-")))
         blob = blob / "model"
-        checked = await run_in_threadpool(check_model_upload, received, blob, settings=settings)
+        checked = await run_slow(http, check_model_upload, received, blob, settings=settings)
         size = blob.stat().st_size
-        ref = await run_in_threadpool(store.put_blob, blob, name="model",
-                                      media_type=checked.media_type)
+        ref = await run_slow(http, store.put_blob, blob, name="model",
+                             media_type=checked.media_type)
     first = file[0].filename or "model.onnx"
     model, created = repo.upsert_model(
         session,

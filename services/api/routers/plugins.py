@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, File, Header, Request, Response, UploadFile, status
-from starlette.concurrency import run_in_threadpool
 
 from schemas import BlobRef
 from schemas.errors import IntegrityError, InvalidRequest
@@ -13,6 +12,7 @@ from schemas.plugins import PluginInfo
 from services.api.deps import AdminPrincipal, ReaderPrincipal, SessionDep, SettingsDep, StoreDep
 from services.api.gate import BODY_LIMIT
 from services.api.inspection import inspect_plugin_bundle
+from services.api.threads import run_slow
 from services.api.transfers import DOWNLOAD_RESPONSES, blob_response, received_upload
 from services.db import repo
 
@@ -34,12 +34,12 @@ async def push_plugin(
     async with received_upload(file, max_bytes=settings.max_upload_bytes,
                                what="a plugin bundle archive") as (path, _size):
         try:
-            manifest = await run_in_threadpool(inspect_plugin_bundle, path, settings=settings)
+            manifest = await run_slow(http, inspect_plugin_bundle, path, settings=settings)
         except IntegrityError as exc:  # in an upload, a wrong digest is bad input
             raise InvalidRequest(f"the bundle is inconsistent: {exc.message}",
                                  **exc.details) from exc
-        ref = await run_in_threadpool(store.put_blob, path, name="plugin",
-                                      media_type=BUNDLE_MEDIA_TYPE)
+        ref = await run_slow(http, store.put_blob, path, name="plugin",
+                             media_type=BUNDLE_MEDIA_TYPE)
     info, created = repo.record_plugin(session, manifest=manifest, digest=ref.sha256,
                                        size_bytes=ref.size)
     session.commit()

@@ -1,0 +1,37 @@
+"""The threads an API process runs blocking work in.
+
+Short work (a route's database reads and writes, the store's checks) runs in anyio's default
+pool, bounded by ``KILN_API_THREADS``: every busy thread takes turns at the interpreter lock
+with the event loop that answers heartbeats and held long-polls, so the pool is kept small.
+Work that mostly waits on something else (the sandboxed inspection of an upload, its copy into
+the store) runs through ``run_slow`` in a pool of its own (``KILN_API_SLOW_THREADS``), so
+that a few large uploads never hold the threads short requests need.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+from fastapi import FastAPI, Request
+
+from services.config import KilnSettings
+
+T = TypeVar("T")
+
+
+def configure(app: FastAPI, settings: KilnSettings) -> None:
+    """Size this event loop's pools (call it on the loop that serves ``app``)."""
+    anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
+    app.state.slow_threads = anyio.CapacityLimiter(settings.api_slow_threads)
+
+
+async def run_slow(request: Request, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` in a thread of the slow pool (the default pool where the app
+    was not started through its lifespan)."""
+    limiter = getattr(request.app.state, "slow_threads", None)
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs),
+                                          limiter=limiter)
