@@ -41,14 +41,16 @@ lifetime, ``KILN_DESIRED_STATE_CACHE_S``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
@@ -64,6 +66,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 #: How far back each re-check looks for finished jobs before the previous one (a job's
 #: transaction may commit a moment after the finish time it records).
 RECHECK_OVERLAP = timedelta(seconds=5)
@@ -74,6 +78,9 @@ FULL_RECHECK_S = 1.0
 RECHECK_THREAD = "kiln-desired-recheck"
 #: The most agent profiles a process keeps (about 1 KB each); past it, all are read again.
 MAX_PROFILES = 200_000
+#: Long-polls that go on in one pass of the event loop (``LoopPace``); the rest wait for the
+#: next pass, after the requests that arrived meanwhile.
+TURNS_PER_PASS = 16
 
 
 @dataclass(eq=False)
@@ -219,6 +226,59 @@ class DesiredStateCache:
         self._drop(lambda _: True)
 
 
+class LoopPace:
+    """Turns on one event loop: at most ``per_pass`` callers of ``turn`` go on in one pass of
+    the loop; the others wait, in order, for the passes after it, and the I/O that arrived
+    meanwhile (a heartbeat, a renewal) is served between them.
+
+    A change wakes a thousand long-polls at once. Each computes and signs its answer on the
+    loop (about 0.1 ms, no thread), so in one pass they would hold every heartbeat that
+    arrived meanwhile for 0.1 s; paced, a heartbeat waits behind ``per_pass`` of them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, per_pass: int = TURNS_PER_PASS) -> None:
+        self.loop = loop
+        self.per_pass = per_pass
+        self._used = 0
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._scheduled = False
+
+    async def turn(self) -> None:
+        if self._used < self.per_pass and not self._waiting:
+            self._used += 1
+            self._schedule()
+            return
+        future = self.loop.create_future()
+        self._waiting.append(future)
+        self._schedule()
+        await future  # a caller cancelled meanwhile is skipped by ``_next_pass``
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self._next_pass)
+
+    def _next_pass(self) -> None:
+        self._scheduled = False
+        self._used = 0
+        while self._waiting and self._used < self.per_pass:
+            future = self._waiting.popleft()
+            if not future.done():
+                future.set_result(None)
+                self._used += 1
+        if self._used:
+            self._schedule()
+
+
+@dataclass
+class _LoopShare:
+    """What the long-polls on one event loop share."""
+
+    pace: LoopPace
+    #: Profile key (or ``agent:<name>`` while the agent's profile is not known) → the
+    #: computation in a thread that the long-polls of that profile wait for.
+    flights: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+
+
 class DesiredStateHub:
     """The waiters of one API process. Thread-safe: routes run in the threadpool, the
     re-check in a thread of its own; an event is set on its waiter's loop."""
@@ -247,6 +307,10 @@ class DesiredStateHub:
         self._plugins: tuple[int, datetime | None] | None = None
         self.wakes = 0
         self.closing = False
+        self._shares: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopShare] = (
+            weakref.WeakKeyDictionary())
+        #: Computations run in a thread by ``recompute``, and those it spared.
+        self.recomputed = self.shared = 0
 
     # ------------------------------------------------------------ waiters
     def close(self) -> None:
@@ -259,6 +323,44 @@ class DesiredStateHub:
         with self._lock:
             self._waiters.add(waiter)
         return waiter
+
+    def _share(self) -> _LoopShare:
+        loop = asyncio.get_running_loop()
+        share = self._shares.get(loop)
+        if share is None:
+            share = self._shares[loop] = _LoopShare(pace=LoopPace(loop))
+        return share
+
+    async def turn(self) -> None:
+        """Wait for a turn of this event loop's ``LoopPace``."""
+        await self._share().pace.turn()
+
+    async def recompute(self, name: str, compute: Callable[[], T],
+                        kept: Callable[[], T | None],
+                        in_thread: Callable[[Callable[[], T]], Awaitable[T]]) -> T:
+        """``compute()`` through ``in_thread``, one computation per agent profile at a time on
+        this event loop: an agent whose profile another long-poll is computing waits for it
+        and then finds the result kept (``kept()``), without a thread of its own. A change
+        wakes a thousand long-polls of a few profiles; when each took a thread, they queued
+        for the threads and fought the event loop for the interpreter lock, and the
+        heartbeats behind them waited a second."""
+        share = self._share()
+        base = self.kept_profile(name)
+        key = base.key if base is not None else f"agent:{name}"
+        while (flight := share.flights.get(key)) is not None:
+            await asyncio.shield(flight)  # cancelled here, the others still wait for it
+            await share.pace.turn()  # the whole profile's long-polls go on at once
+            if (found := kept()) is not None:
+                self.shared += 1
+                return found
+        flight = asyncio.get_running_loop().create_future()
+        share.flights[key] = flight
+        try:
+            self.recomputed += 1
+            return await in_thread(compute)
+        finally:
+            del share.flights[key]
+            flight.set_result(None)
 
     def unsubscribe(self, waiter: Waiter) -> None:
         with self._lock:
