@@ -1,5 +1,7 @@
 """A fleet against ``kiln api`` on PostgreSQL (Redis as the broker, a local store), served by
-``--api-processes`` processes (default 2: one per core of a 2-core machine):
+``--api-processes`` processes (default 2: one per core of a 2-core machine), and with
+``--agent-processes N`` N more on a port of their own that the agents use
+(``KILN_API_AGENT_PORT``):
 N simulated agents (default 10,000) that each hold a long-poll of their desired state and send a
 liveness heartbeat (``Prefer: return=minimal``) every 30 s, spread evenly, while clients submit
 an already built model (answered from the cache) at a steady rate (default 200/s).
@@ -21,7 +23,7 @@ database in the phase), divided by the heartbeats of the phase: an upper bound o
 share, since long-poll renewals and submissions are in it too.
 
     .venv/bin/python bench/scale.py [--agents 10000] [--submit-rate 200] [--phase-s 30]
-                                    [--api-processes 2]
+                                    [--api-processes 2] [--agent-processes 0]
 """
 
 from __future__ import annotations
@@ -88,8 +90,11 @@ class Phase:
 
 
 class Fleet:
-    def __init__(self, url: str, token: str, names: list[str]) -> None:
+    def __init__(self, url: str, token: str, names: list[str], *,
+                 submit_url: str | None = None) -> None:
         self.url, self.names = url, names
+        #: Where clients submit (the API's port; ``url`` is the agents' own, when it has one).
+        self.submit_url = submit_url or url
         self.headers = {"Authorization": f"Bearer {token}"}
         self.digests: dict[str, str] = {}
         self.phase: Phase | None = None
@@ -175,7 +180,7 @@ class Fleet:
         async def one() -> None:
             started = time.perf_counter()
             try:
-                async with http.post(f"{self.url}/v1/compile-jobs", data=body,
+                async with http.post(f"{self.submit_url}/v1/compile-jobs", data=body,
                                      headers=headers) as r:
                     answer = await r.json()
                     cached = r.status == 202 and all(
@@ -258,7 +263,8 @@ async def one_at_a_time(http: aiohttp.ClientSession, fleet: Fleet, api: ApiProce
         cpu0 = api.cpu()
         for _ in range(n):
             started = time.perf_counter()
-            async with http.request(method, fleet.url + path, data=body,
+            base = fleet.submit_url if path == "/v1/compile-jobs" else fleet.url
+            async with http.request(method, base + path, data=body,
                                     headers=headers) as r:
                 await r.read()
                 if r.status >= 300 and r.status != 204:
@@ -329,7 +335,9 @@ def pg_activity(admin: sa.Engine, db: str) -> tuple[float, int]:
 async def run(args, stack: EmbeddedStack, admin: sa.Engine, db: str,
               model_ids: list[str]) -> tuple[list[Phase], Fleet, float, list]:
     names = [f"agent-{i:05d}" for i in range(args.agents)]
-    fleet = Fleet(stack.api_url, stack.token or "", names)
+    agent_port = stack.overrides.get("KILN_API_AGENT_PORT")
+    fleet = Fleet(f"http://{stack.host}:{agent_port}" if agent_port else stack.api_url,
+                  stack.token or "", names, submit_url=stack.api_url)
     api = ApiProcesses(psutil.Process(stack.processes[0].pid))
     me = psutil.Process()
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
@@ -434,8 +442,10 @@ def report(args, phases: list[Phase], fleet: Fleet, change_s: float, costs: list
                       f"{cpu / base:.1f}x")
     console.print(table)
 
+    fleet_port = (f" + {args.agent_processes} on the agents' own port"
+                  if args.agent_processes else "")
     table = Table(title=f"{args.agents} agents on `kiln api` with {args.api_processes} "
-                        f"process(es) (PostgreSQL, Redis), "
+                        f"process(es){fleet_port} (PostgreSQL, Redis), "
                         f"heartbeats every {HEARTBEAT_S:g} s, long-polls of {WAIT_S:g} s; "
                         f"{cores} cores shared by the API, PostgreSQL and this load generator")
     for col in ("phase", "s", "requests", "rate /s", "p50 ms", "p99 ms", "max ms",
@@ -492,6 +502,9 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=10_000)
     parser.add_argument("--api-processes", type=int, default=2,
                         help="processes `kiln api` serves with (KILN_API_PROCESSES)")
+    parser.add_argument("--agent-processes", type=int, default=0,
+                        help="processes serving a port of the agents' own "
+                        "(KILN_API_AGENT_PROCESSES; 0: the agents use the API's port)")
     parser.add_argument("--submit-rate", type=float, default=200.0)
     parser.add_argument("--phase-s", type=float, default=30.0)
     parser.add_argument("--cost-requests", type=int, default=300,
@@ -517,7 +530,10 @@ def main() -> None:
         home = Path(tmp) / "kiln"
         stack = EmbeddedStack(home=home, port=free_port(), workers=0, overrides={
             "KILN_DATABASE_URL": database_url, "KILN_BROKER_URL": REDIS,
-            "KILN_LOG_LEVEL": "WARNING", "KILN_API_PROCESSES": str(args.api_processes)})
+            "KILN_LOG_LEVEL": "WARNING", "KILN_API_PROCESSES": str(args.api_processes),
+            **({"KILN_API_AGENT_PORT": str(free_port()),
+                "KILN_API_AGENT_PROCESSES": str(args.agent_processes)}
+               if args.agent_processes else {})})
         try:
             stack.prepare()
             model_ids = seed(database_url, (home / "store").as_uri(), home / "signing.key",

@@ -112,6 +112,12 @@ def api(
     port: Annotated[int | None, typer.Option()] = None,
     processes: Annotated[int | None, typer.Option(
         min=1, max=64, help="processes serving the port (default: KILN_API_PROCESSES)")] = None,
+    agent_port: Annotated[int | None, typer.Option(
+        min=1, max=65535, help="a second port, served by processes of its own, for the "
+        "agents (default: KILN_API_AGENT_PORT)")] = None,
+    agent_processes: Annotated[int | None, typer.Option(
+        min=1, max=64, help="processes serving --agent-port (default: "
+        "KILN_API_AGENT_PROCESSES)")] = None,
 ) -> None:
     """Run the control-plane API."""
     import uvicorn
@@ -121,8 +127,12 @@ def api(
     from services.db import migrate
 
     settings = get_settings()
-    if processes is not None and processes != settings.api_processes:
-        os.environ["KILN_API_PROCESSES"] = str(processes)  # the processes read it too
+    given = {"KILN_API_PROCESSES": processes, "KILN_API_AGENT_PORT": agent_port,
+             "KILN_API_AGENT_PROCESSES": agent_processes}
+    if any(value is not None for value in given.values()):
+        for name, value in given.items():  # the processes read them too
+            if value is not None:
+                os.environ[name] = str(value)
         get_settings.cache_clear()
         settings = get_settings()
     _logging(settings.log_level)
@@ -132,7 +142,7 @@ def api(
     preflight(settings)  # the broker answers, the store exists: else stop, naming the fix
     config = dict(host=host or settings.api_host, port=port or settings.api_port,
                   log_level=settings.log_level.lower())
-    if settings.api_processes == 1:
+    if settings.api_processes == 1 and settings.api_agent_port is None:
         application = create_app(settings)
         collect_on_schedule(settings)
         uvicorn.run(application, **config)
@@ -140,7 +150,9 @@ def api(
     from services.api.processes import serve
 
     migrate(settings.database_url)  # once, before the processes start
-    raise typer.Exit(serve(settings.api_processes, **config))
+    raise typer.Exit(serve(settings.api_processes, **config,
+                           agent_port=settings.api_agent_port,
+                           agent_processes=settings.api_agent_processes))
 
 
 @app.command()

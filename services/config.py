@@ -132,6 +132,14 @@ class KilnSettings(SharedSettings):
     api_host: str = "127.0.0.1"
     #: Port `kiln api` listens on.
     api_port: int = 8000
+    #: A second port `kiln api` serves, with `KILN_API_AGENT_PROCESSES` processes of its own,
+    #: for the fleet: point the agents at it (`kiln agent --api http://HOST:PORT`) and their
+    #: heartbeats and long-polls never queue behind a burst of submissions in the same
+    #: process. Every route answers on both ports; only who connects where differs. Unset:
+    #: one port for everyone.
+    api_agent_port: int | None = Field(None, ge=1, le=65535)
+    #: Processes serving `KILN_API_AGENT_PORT`.
+    api_agent_processes: int = Field(1, ge=1, le=64)
     #: Lifetime of presigned download URLs, seconds.
     presign_ttl_s: int = Field(3600, ge=1)
     #: How often agents are told to heartbeat, seconds.
@@ -255,7 +263,8 @@ class KilnSettings(SharedSettings):
         if self.api_docs is None:
             self.api_docs = self.env == "dev"
         if self.desired_state_recheck_s is None:
-            self.desired_state_recheck_s = 1.0 if self.api_processes == 1 else 0.1
+            self.desired_state_recheck_s = 1.0 if (self.api_processes == 1
+                                                  and self.api_agent_port is None) else 0.1
         if self.root_key_path is None:
             self.root_key_path = home / "root.key"
         if self.trust_dir is None:

@@ -1,4 +1,5 @@
-"""`kiln api` as several processes on one port (``KILN_API_PROCESSES``).
+"""`kiln api` as several processes on one port (``KILN_API_PROCESSES``), and optionally
+on a second port for the fleet (``KILN_API_AGENT_PORT``, ``KILN_API_AGENT_PROCESSES``).
 
 A Python process serves from one core; a large fleet's heartbeats, long-polls and submissions
 want more. Each process here binds the port itself with ``SO_REUSEPORT``, so the kernel spreads
@@ -8,7 +9,14 @@ land fifteen on one process). The parent starts them, restarts one that dies, an
 SIGINT passes the signal on and waits for them (each answers its held long-polls at once and
 finishes what it serves).
 
-Where ``SO_REUSEPORT`` does not balance (anything but Linux), uvicorn's workers are used.
+The fleet's port is served by processes of its own: the agents' heartbeats and long-polls
+then take turns at an interpreter lock and an event loop that no submission touches, and the
+kernel schedules a process that mostly sleeps as soon as its socket is readable. Under 200
+cached submissions a second on two cores, a process serving both waited behind the
+submissions' threads (`bench/scale.py --agent-processes`).
+
+Where ``SO_REUSEPORT`` does not balance (anything but Linux), uvicorn's workers are used, and
+a fleet port is refused.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from types import FrameType
 
 import uvicorn
 
+from schemas.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 #: The app each process builds (uvicorn's factory).
@@ -40,18 +50,29 @@ def balanced() -> bool:
     return sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
 
 
-def serve(processes: int, *, host: str, port: int, log_level: str) -> int:
-    """Serve the API with ``processes`` processes until SIGTERM or SIGINT; the exit status."""
+def serve(processes: int, *, host: str, port: int, log_level: str,
+          agent_port: int | None = None, agent_processes: int = 1) -> int:
+    """Serve the API with ``processes`` processes (and ``agent_processes`` more on
+    ``agent_port``, when given) until SIGTERM or SIGINT; the exit status."""
     if not balanced():
+        if agent_port is not None:
+            raise ConfigError("KILN_API_AGENT_PORT needs SO_REUSEPORT as Linux has it; "
+                              "unset it here")
         uvicorn.run(FACTORY, factory=True, workers=processes, host=host, port=port,
                     log_level=log_level)
         return 0
+    if agent_port is not None and agent_port == port:
+        raise ConfigError(f"KILN_API_AGENT_PORT ({agent_port}) must differ from the API's "
+                          "port")
     context = multiprocessing.get_context("spawn")
     stopping = False
+    #: The port of each process, by index: the API's, then the fleet's.
+    ports = [port] * processes + ([agent_port] * agent_processes if agent_port else [])
 
     def start(index: int) -> multiprocessing.process.BaseProcess:
-        process = context.Process(target=_serve_one, args=(host, port, log_level),
-                                  name=f"kiln-api-{index}", daemon=False)
+        name = f"kiln-api-{index}" if index < processes else f"kiln-api-agents-{index}"
+        process = context.Process(target=_serve_one, args=(host, ports[index], log_level),
+                                  name=name, daemon=False)
         process.start()
         return process
 
@@ -62,11 +83,14 @@ def serve(processes: int, *, host: str, port: int, log_level: str) -> int:
             if process.is_alive() and process.pid is not None:
                 _signal(process.pid, signal.SIGTERM)
 
-    children = [start(i) for i in range(processes)]
-    started = [time.monotonic()] * processes
+    children = [start(i) for i in range(len(ports))]
+    started = [time.monotonic()] * len(ports)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
     logger.info("API: %d processes on %s:%d (SO_REUSEPORT)", processes, host, port)
+    if agent_port is not None:
+        logger.info("API for the fleet: %d processes on %s:%d", agent_processes, host,
+                    agent_port)
     restarts: list[float] = []
     while True:
         time.sleep(0.2)

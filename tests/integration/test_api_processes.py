@@ -109,3 +109,54 @@ def test_sigterm_answers_held_long_polls_and_stops_every_process(stack):
     assert time.monotonic() - started < 10
     assert answers == [204] * 6, answers
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
+
+
+@pytest.fixture
+def fleet_port_stack(request, tmp_path: Path, postgres_url: str,
+                     redis_url: str) -> Iterator[tuple[EmbeddedStack, str]]:
+    from tests.conftest import free_port
+
+    agent_port = free_port()
+    for stack in running_stack(request, tmp_path, workers=0, overrides={
+            "KILN_DATABASE_URL": postgres_url, "KILN_BROKER_URL": redis_url,
+            "KILN_API_PROCESSES": "1", "KILN_API_AGENT_PORT": str(agent_port),
+            "KILN_API_AGENT_PROCESSES": "1"}):
+        yield stack, f"http://{stack.host}:{agent_port}"
+
+
+def test_the_fleet_port_has_processes_of_its_own_and_hears_of_changes_at_once(
+        fleet_port_stack):
+    """``KILN_API_AGENT_PORT``: a process of its own serves the agents' port; a long-poll
+    held there is answered when a deployment is made through the API's port (the re-check
+    runs every 0.1 s with a fleet port), and SIGTERM stops both."""
+    stack, agents_url = fleet_port_stack
+    children = serving_processes(stack)
+    ports = sorted({c.laddr.port for p in children for c in p.net_connections("tcp")
+                    if c.status == psutil.CONN_LISTEN})
+    assert len(children) == 2 and ports == sorted([stack.port, int(agents_url.rsplit(":", 1)[1])])
+    headers = {"Authorization": f"Bearer {stack.token}"}
+    with httpx.Client(base_url=stack.api_url, headers=headers, timeout=30) as api, \
+            httpx.Client(base_url=agents_url, headers=headers, timeout=40) as fleet:
+        model_id = api.post("/v1/models", files={"file": ("mlp.onnx", mlp().SerializeToString())}
+                            ).raise_for_status().json()["id"]
+        fleet.post("/v1/agents", json=registration("n1", KEY, {"site": "a"})).raise_for_status()
+        digest = fleet.get("/v1/agents/n1/desired-state").headers["ETag"].strip('"')
+        answered: list[tuple[int, float]] = []
+
+        def hold() -> None:
+            r = fleet.get("/v1/agents/n1/desired-state", params={"after": digest, "wait": 30})
+            answered.append((r.status_code, time.monotonic()))
+
+        thread = threading.Thread(target=hold)
+        thread.start()
+        time.sleep(1.5)
+        assert answered == []
+        deployed = time.monotonic()
+        api.post("/v1/deployments", json={"name": "d", "model_id": model_id,
+                                          "selector": {"site": "a"}}).raise_for_status()
+        thread.join(20)
+    assert [status for status, _ in answered] == [200]
+    assert answered[0][1] - deployed < 0.6
+    os.killpg(stack.processes[0].pid, 15)
+    stack.processes[0].wait(20)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
