@@ -1,6 +1,6 @@
 """A fleet against ``kiln api`` on PostgreSQL (Redis as the broker, a local store), served by
-``--api-processes`` processes (default 2: one per core of a 2-core machine), and with
-``--agent-processes N`` N more on a port of their own that the agents use
+``--api-processes`` processes (default 2: one per core of a 2-core machine) and
+``--agent-processes`` more (default 1; 0: none) on a port of their own that the agents use
 (``KILN_API_AGENT_PORT``):
 N simulated agents (default 10,000) that each hold a long-poll of their desired state and send a
 liveness heartbeat (``Prefer: return=minimal``) every 30 s, spread evenly, while clients submit
@@ -23,7 +23,7 @@ database in the phase), divided by the heartbeats of the phase: an upper bound o
 share, since long-poll renewals and submissions are in it too.
 
     .venv/bin/python bench/scale.py [--agents 10000] [--submit-rate 200] [--phase-s 30]
-                                    [--api-processes 2] [--agent-processes 0]
+                                    [--api-processes 2] [--agent-processes 1]
 """
 
 from __future__ import annotations
@@ -502,7 +502,7 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=10_000)
     parser.add_argument("--api-processes", type=int, default=2,
                         help="processes `kiln api` serves with (KILN_API_PROCESSES)")
-    parser.add_argument("--agent-processes", type=int, default=0,
+    parser.add_argument("--agent-processes", type=int, default=1,
                         help="processes serving a port of the agents' own "
                         "(KILN_API_AGENT_PROCESSES; 0: the agents use the API's port)")
     parser.add_argument("--submit-rate", type=float, default=200.0)
