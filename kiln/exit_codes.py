@@ -51,6 +51,7 @@ EXIT_CODES: dict[ErrorCode, int] = {
     ErrorCode.CONFIG_ERROR: 52,
     ErrorCode.INTERNAL: 53,
     ErrorCode.CLAIM_REFUSED: 54,
+    ErrorCode.DATABASE_UNAVAILABLE: 55,
     ErrorCode.API_UNREACHABLE: 60,
 }
 

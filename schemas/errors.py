@@ -53,6 +53,9 @@ class ErrorCode(StrEnum):
     STORE_ERROR = "store_error"
     # infrastructure
     QUEUE_UNAVAILABLE = "queue_unavailable"
+    #: The control plane's database refused or dropped the connection, or gave up on the
+    #: statement (too many clients, a restart, a deadlock, a lock held): send it again.
+    DATABASE_UNAVAILABLE = "database_unavailable"
     #: The worker building a job stopped heartbeating, as many times as a job may be tried.
     WORKER_LOST = "worker_lost"
     #: An operator cancelled the job.
@@ -96,6 +99,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.SCHEMA_UNSUPPORTED: 502,
     ErrorCode.STORE_ERROR: 503,
     ErrorCode.QUEUE_UNAVAILABLE: 503,
+    ErrorCode.DATABASE_UNAVAILABLE: 503,
     ErrorCode.WORKER_LOST: 503,
     ErrorCode.CANCELLED: 409,
     ErrorCode.CLAIM_REFUSED: 409,
@@ -282,6 +286,11 @@ class StoreError(KilnError):
 
 class QueueUnavailable(KilnError):
     code = ErrorCode.QUEUE_UNAVAILABLE
+    transient = True
+
+
+class DatabaseUnavailable(KilnError):
+    code = ErrorCode.DATABASE_UNAVAILABLE
     transient = True
 
 

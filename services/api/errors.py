@@ -7,9 +7,10 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from schemas.errors import ErrorBody, ErrorCode, KilnError
+from schemas.errors import DatabaseUnavailable, ErrorBody, ErrorCode, KilnError
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,21 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         code = _HTTP_CODES.get(exc.status_code, ErrorCode.INVALID_REQUEST)
         return error_response(exc.status_code, ErrorBody(code=code, message=str(exc.detail)))
+
+    @app.exception_handler(sa_exc.OperationalError)
+    @app.exception_handler(sa_exc.TimeoutError)
+    async def _database_unavailable(request: Request, exc: Exception):
+        # A connection refused or dropped (PostgreSQL's "too many clients", a restart), no
+        # pooled connection free in time, a deadlock or a lock timeout: the client may send
+        # the request again. The driver's text names the server's address: it goes to the
+        # log, not to the client.
+        logger.warning("%s %s: the database could not serve it: %s", request.method,
+                       request.url.path, str(exc).splitlines()[0] if str(exc) else type(exc))
+        error = DatabaseUnavailable(
+            "the database could not serve this request (it refused or dropped the "
+            "connection, or gave up on the statement); try again",
+            reason=type(getattr(exc, "orig", None) or exc).__name__)
+        return error_response(error.http_status, error.to_body(), {"Retry-After": "1"})
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
