@@ -349,7 +349,7 @@ class DesiredStateHub:
         key = base.key if base is not None else f"agent:{name}"
         while (flight := share.flights.get(key)) is not None:
             await asyncio.shield(flight)  # cancelled here, the others still wait for it
-            await share.pace.turn()  # the whole profile's long-polls go on at once
+            await share.pace.turn()  # the profile's long-polls then go on a few per pass
             if (found := kept()) is not None:
                 self.shared += 1
                 return found
