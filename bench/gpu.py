@@ -214,6 +214,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="kiln-gpu-bench-"))
     report: dict[str, object] = {"gpu": torch.cuda.get_device_name(),
                                  "torch": torch.__version__, "onnxruntime": ort.__version__}
+
     def measure(paths: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
         return blocks(paths, args.rounds, args.block, skip=10, settle=torch.cuda.synchronize)
 

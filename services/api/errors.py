@@ -14,6 +14,25 @@ from schemas.errors import DatabaseUnavailable, ErrorBody, ErrorCode, KilnError
 
 logger = logging.getLogger(__name__)
 
+#: What the database layer raises when the database refuses or drops a connection (PostgreSQL's
+#: "too many clients", a restart), no pooled connection is free in time, or it gives up on a
+#: statement (a deadlock, a lock timeout): the client may send the request again.
+DATABASE_ERRORS = (sa_exc.OperationalError, sa_exc.TimeoutError)
+#: Sent with every ``database_unavailable``.
+RETRY_AFTER = {"Retry-After": "1"}
+
+
+def database_unavailable(exc: Exception, where: str) -> DatabaseUnavailable:
+    """The 503 for ``exc`` (one of ``DATABASE_ERRORS``). The driver's text names the server's
+    address: it goes to the log (with ``where``), not to the client."""
+    text = str(exc)
+    logger.warning("%s: the database could not serve it: %s", where,
+                   text.splitlines()[0] if text else type(exc).__name__)
+    return DatabaseUnavailable(
+        "the database could not serve this request (it refused or dropped the connection, "
+        "or gave up on the statement); try again",
+        reason=type(getattr(exc, "orig", None) or exc).__name__)
+
 _HTTP_CODES = {
     401: ErrorCode.UNAUTHENTICATED,
     403: ErrorCode.FORBIDDEN,
@@ -56,20 +75,12 @@ def install_error_handlers(app: FastAPI) -> None:
         code = _HTTP_CODES.get(exc.status_code, ErrorCode.INVALID_REQUEST)
         return error_response(exc.status_code, ErrorBody(code=code, message=str(exc.detail)))
 
-    @app.exception_handler(sa_exc.OperationalError)
-    @app.exception_handler(sa_exc.TimeoutError)
     async def _database_unavailable(request: Request, exc: Exception):
-        # A connection refused or dropped (PostgreSQL's "too many clients", a restart), no
-        # pooled connection free in time, a deadlock or a lock timeout: the client may send
-        # the request again. The driver's text names the server's address: it goes to the
-        # log, not to the client.
-        logger.warning("%s %s: the database could not serve it: %s", request.method,
-                       request.url.path, str(exc).splitlines()[0] if str(exc) else type(exc))
-        error = DatabaseUnavailable(
-            "the database could not serve this request (it refused or dropped the "
-            "connection, or gave up on the statement); try again",
-            reason=type(getattr(exc, "orig", None) or exc).__name__)
-        return error_response(error.http_status, error.to_body(), {"Retry-After": "1"})
+        error = database_unavailable(exc, f"{request.method} {request.url.path}")
+        return error_response(error.http_status, error.to_body(), RETRY_AFTER)
+
+    for error_class in DATABASE_ERRORS:
+        app.add_exception_handler(error_class, _database_unavailable)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -46,6 +46,7 @@ from services.api.auth import (
     require_role,
     revoked_error,
 )
+from services.api.errors import DATABASE_ERRORS, RETRY_AFTER, database_unavailable
 from services.api.revocations import RevocationList
 from services.config import KilnSettings
 
@@ -252,9 +253,7 @@ class FrontDoor:
                 if browser is not None:
                     await browser.refuse(scope, exc)(scope, receive, send)
                     return
-                await _reply(send, exc.http_status, exc.to_body(),
-                             {"WWW-Authenticate": "Bearer"}
-                             if exc.code is ErrorCode.UNAUTHENTICATED else None)
+                await _reply(send, exc.http_status, exc.to_body(), _REFUSAL_HEADERS.get(exc.code))
                 return
 
         declared = headers.get(b"content-length")
@@ -303,10 +302,18 @@ class FrontDoor:
         principal = decode_token(self.settings.secret_key, authorization)
         revoked = self.revocations.known(principal.jti)
         if revoked is None:
-            revoked = await run_in_threadpool(self.revocations.revoked, principal.jti)
+            try:
+                revoked = await run_in_threadpool(self.revocations.revoked, principal.jti)
+            except DATABASE_ERRORS as exc:  # outside FastAPI's handlers: answered here
+                raise database_unavailable(exc, "the revocation list") from exc
         if revoked:
             raise revoked_error(principal.jti)
         return principal
+
+
+#: Headers of a refusal by the front door, by its code.
+_REFUSAL_HEADERS = {ErrorCode.UNAUTHENTICATED: {"WWW-Authenticate": "Bearer"},
+                    ErrorCode.DATABASE_UNAVAILABLE: RETRY_AFTER}
 
 
 async def _reply(send: Send, status: int, body: ErrorBody,

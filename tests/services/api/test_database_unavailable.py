@@ -1,9 +1,12 @@
 """The API's database refuses connections (PostgreSQL at its connection limit, restarting, or
 closed to new connections): requests get 503 ``database_unavailable`` with ``Retry-After``,
-not a 500, and the API serves again as soon as the database does."""
+not a 500, and the API serves again as soon as the database does. Either where the route
+meets it, or where the front door reads the revocation list (``revocation_refresh_s`` 0: on
+every request), before any route runs."""
 
 from __future__ import annotations
 
+import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
@@ -11,8 +14,10 @@ from services.api.app import create_app
 from tests.services.api.conftest import bearer, make_settings
 
 
+@pytest.mark.parametrize("revocation_refresh_s", [1.0, 0.0], ids=["route", "front-door"])
 def test_a_database_that_refuses_connections_is_a_503_to_retry(tmp_path, postgres_url,
-                                                               postgres_server_url):
+                                                               postgres_server_url,
+                                                               revocation_refresh_s):
     database = sa.make_url(postgres_url).database
     admin = sa.create_engine(postgres_server_url, isolation_level="AUTOCOMMIT")
 
@@ -24,7 +29,8 @@ def test_a_database_that_refuses_connections_is_a_503_to_retry(tmp_path, postgre
                 conn.execute(sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                                      "WHERE datname = :db"), {"db": database})
 
-    app = create_app(make_settings(tmp_path, database_url=postgres_url))
+    app = create_app(make_settings(tmp_path, database_url=postgres_url,
+                                   revocation_refresh_s=revocation_refresh_s))
     try:
         with TestClient(app, raise_server_exceptions=False) as api:
             api.headers["Authorization"] = bearer()

@@ -194,22 +194,18 @@ def test_the_api_sizes_its_thread_pools_from_the_settings(settings):
 def test_slow_work_never_holds_the_short_pool():
     """With one short thread and one slow one, a slow call that blocks leaves the short pool
     free; the same call through the short pool would have held it."""
+    from fastapi import FastAPI
+    from starlette.requests import Request
 
-    class State:
-        slow_threads = None
-
-    class App:
-        state = State()
-
-    class Request:
-        app = App()
+    app = FastAPI()
+    request = Request({"type": "http", "app": app})
 
     async def scenario() -> bool:
         anyio.to_thread.current_default_thread_limiter().total_tokens = 1
-        Request.app.state.slow_threads = anyio.CapacityLimiter(1)
+        app.state.slow_threads = anyio.CapacityLimiter(1)
         release = threading.Event()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(run_slow, Request, release.wait, 5)
+            tg.start_soon(run_slow, request, release.wait, 5)
             await anyio.sleep(0.05)
             with anyio.fail_after(2):  # the short pool is free
                 ran = await anyio.to_thread.run_sync(lambda: True)
