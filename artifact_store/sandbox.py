@@ -7,12 +7,21 @@ workers share.
 set — never a credential), in its scratch folder, in a new session, with no inherited file
 descriptor but its pipes. Before it reads its request, the child confines itself:
 
-- **rlimits** (always): address space, CPU seconds, file size, open files; no core files.
+- **rlimits** (always): memory, CPU seconds, file size, open files; no core files. Memory is
+  the address space (``RLIMIT_AS``), except where the child is given a GPU's device nodes:
+  a GPU driver reserves address space for unified addressing far beyond what it uses (CUDA
+  reserves more than the card and the host hold together, and fails to start under any
+  useful ``RLIMIT_AS``), so there the limit is on the data segment (``RLIMIT_DATA``: private
+  writable memory, the heap and every ``malloc``), which such reservations do not count.
 - **a new user and network namespace** (``unshare(CLONE_NEWUSER | CLONE_NEWNET)``) where user
   namespaces are allowed: no interface but a loopback that is down, so no network.
+- **a private ``/tmp``** (with the user namespace, where the scratch folder and everything it
+  reads lie outside ``/tmp``): a mount namespace with the scratch folder's ``tmp/`` bound
+  over ``/tmp``.
 - **Landlock** (Linux 5.13+, ABI 1 and later): the scratch folder is the only place it may
-  write; it may read the Python installation, the system libraries and the paths the caller
-  names, and nothing else (not ``KILN_HOME``, not a signing key, not ``/tmp``). From ABI 4 it
+  write (besides a GPU's device nodes and, on a GPU node, its own ``/proc/<pid>``); it may
+  read the Python installation, the system libraries and the paths the caller names, and
+  nothing else (not ``KILN_HOME``, not a signing key, not the host's ``/tmp``). From ABI 4 it
   may neither connect nor bind TCP sockets; from ABI 6 it may not signal processes outside
   its sandbox (the worker that started it). It can never ptrace or read ``/proc/<pid>/`` of a
   process outside its sandbox.
@@ -131,6 +140,12 @@ class SandboxReport:
 
     rlimits: bool = False
     network_namespace: bool = False
+    #: Whether /tmp is the child's own (its scratch folder's ``tmp/``, bound over it; not
+    #: where the scratch folder or a path it must read lies under /tmp).
+    private_tmp: bool = False
+    #: Which rlimit bounds memory: ``address_space`` (RLIMIT_AS) or, where GPU device nodes
+    #: are opened to the child, ``data`` (RLIMIT_DATA).
+    memory_rlimit: str = "address_space"
     landlock_abi: int = 0
     landlock_network: bool = False
     landlock_signals: bool = False
@@ -452,12 +467,12 @@ class _Exchange:
                     f"{limits.file_size_bytes} bytes and was stopped", limit="file_size",
                     limit_bytes=limits.file_size_bytes, **details)
             if _ALLOCATION_FAILED.search("\n".join(self.tail)):
-                raise _memory_error(self.stage, limits)
+                raise _memory_error(self.stage, limits, self.report)
             raise SandboxCrashed(
                 f"the sandboxed step {self.stage!r} was killed by {name}; its last output: "
                 f"{self._last_lines()}", signal=str(name), **details)
         if _ALLOCATION_FAILED.search("\n".join(self.tail)):
-            raise _memory_error(self.stage, limits)
+            raise _memory_error(self.stage, limits, self.report)
         raise SandboxCrashed(
             f"the sandboxed step {self.stage!r} exited with status {returncode} without an "
             f"answer; its last output: {self._last_lines()}", exit_status=returncode, **details)
@@ -466,10 +481,12 @@ class _Exchange:
         return " | ".join(list(self.tail)[-n:]) or "(none)"
 
 
-def _memory_error(stage: str, limits: Limits) -> ResourceLimit:
+def _memory_error(stage: str, limits: Limits, report: SandboxReport | None) -> ResourceLimit:
+    bound = "of memory (its data segment)" if report is not None and \
+        report.memory_rlimit == "data" else "of address space"
     return ResourceLimit(
-        f"the step {stage!r} ran out of its {limits.address_space_bytes} bytes of address "
-        f"space (KILN_*_MEMORY_BYTES) and was stopped", limit="address_space",
+        f"the step {stage!r} ran out of its {limits.address_space_bytes} bytes {bound} "
+        f"(KILN_*_MEMORY_BYTES) and was stopped", limit="address_space",
         limit_bytes=limits.address_space_bytes, stage=stage)
 
 
@@ -488,6 +505,10 @@ def _error_class(code: ErrorCode) -> type[KilnError]:
 
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWNS = 0x00020000
+_MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
+#: The child's own /tmp, inside its scratch folder (bound over /tmp in its mount namespace).
+PRIVATE_TMP = "tmp"
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_PDEATHSIG = 1
 # Landlock system calls (the same numbers on every architecture).
@@ -522,7 +543,8 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def _apply_rlimits(limits: Limits) -> None:
+def _apply_rlimits(limits: Limits, *, gpu: bool = False) -> str:
+    """Set the child's rlimits; answers which one bounds its memory (``SandboxReport``)."""
     def cap(kind: int, value: int | None, hard_extra: int = 0) -> None:
         if value is None:
             return
@@ -532,7 +554,8 @@ def _apply_rlimits(limits: Limits) -> None:
             soft + hard_extra, hard)
         resource.setrlimit(kind, (soft, new_hard))
 
-    cap(resource.RLIMIT_AS, limits.address_space_bytes)
+    memory = "data" if gpu else "address_space"
+    cap(resource.RLIMIT_DATA if gpu else resource.RLIMIT_AS, limits.address_space_bytes)
     cap(resource.RLIMIT_CPU, limits.cpu_s, hard_extra=5)
     cap(resource.RLIMIT_FSIZE, limits.file_size_bytes)
     cap(resource.RLIMIT_NOFILE, limits.open_files)
@@ -540,12 +563,17 @@ def _apply_rlimits(limits: Limits) -> None:
     # Python ignores SIGXFSZ (a write over the limit would only fail with EFBIG, which code
     # may swallow); the default action stops the child, and the parent names the limit.
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    return memory
 
 
-def _unshare_network(report: SandboxReport) -> None:
+def _unshare_network(report: SandboxReport, request: Mapping[str, Any]) -> None:
+    """A user and network namespace of the child's own and, with them, a mount namespace in
+    which its scratch folder's ``tmp/`` is bound over ``/tmp`` (``_private_tmp``)."""
     libc = _libc()
     uid, gid = os.getuid(), os.getgid()
-    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
+    flags = _CLONE_NEWUSER | _CLONE_NEWNET
+    mounts = libc.unshare(flags | _CLONE_NEWNS) == 0
+    if not mounts and libc.unshare(flags) != 0:
         err = ctypes.get_errno()
         report.not_enforced.append(
             f"network: no new network namespace (unshare: {os.strerror(err)}; user "
@@ -558,6 +586,24 @@ def _unshare_network(report: SandboxReport) -> None:
         Path("/proc/self/setgroups").write_text("deny")
         Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
         Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
+    if mounts:
+        report.private_tmp = _private_tmp(libc, request)
+
+
+def _private_tmp(libc: ctypes.CDLL, request: Mapping[str, Any]) -> bool:
+    """Bind the scratch folder's ``tmp/`` over ``/tmp`` in the child's mount namespace: a
+    library that insists on ``/tmp`` (torch 2.11's AOTInductor package loader makes its
+    folder there whatever ``TMPDIR`` says) writes into the scratch folder, and the child
+    never sees the host's ``/tmp``. Not where anything the child needs lies under ``/tmp``
+    (a scratch folder or an upload there would be hidden by it)."""
+    needed = [request["scratch"], *request["read_roots"], *request["list_roots"],
+              *request["read_files"]]
+    if any(Path(path).resolve().is_relative_to("/tmp") for path in needed):
+        return False
+    private = Path(request["scratch"], PRIVATE_TMP)
+    private.mkdir(exist_ok=True)
+    return libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) == 0 and libc.mount(
+        str(private).encode(), b"/tmp", None, _MS_BIND | _MS_REC, None) == 0
 
 
 def _landlock(request: Mapping[str, Any], report: SandboxReport,
@@ -610,9 +656,21 @@ def _landlock(request: Mapping[str, Any], report: SandboxReport,
         for path in request["list_roots"]:
             allow(path, _FS_READ_DIR)
         allow("/dev/null", _FS_READ_FILE | _FS_WRITE_FILE | _FS_TRUNCATE)
-        for device in request.get("devices", []):  # GPUs: opened read-write, driven by ioctl
+        devices = request.get("devices", [])
+        for device in devices:  # GPUs: opened read-write, driven by ioctl
             allow(device, _FS_READ_FILE | _FS_WRITE_FILE | _FS_IOCTL_DEV | _FS_READ_DIR)
+        if devices:
+            # CUDA's driver writes (and truncates) files of its own process under /proc when
+            # it starts; without this, cudaGetDeviceCount fails with error 304. The child's
+            # own /proc entry only: nothing of another process, nothing under /proc/sys.
+            allow(f"/proc/{os.getpid()}", _FS_READ_FILE | _FS_READ_DIR | _FS_WRITE_FILE |
+                  _FS_TRUNCATE)
         allow(request["scratch"], write)
+        if report.private_tmp:
+            # Seen through /tmp, its files are not beneath the scratch folder's path (the
+            # walk up leaves the bind mount for the host's /tmp): the rule goes on the
+            # bound folder itself.
+            allow(str(Path(request["scratch"], PRIVATE_TMP)), write)
         if _libc().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         if libc.syscall(_SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0) != 0:
@@ -646,14 +704,15 @@ def confine(request: Mapping[str, Any]) -> SandboxReport:
     limits = Limits(**request["limits"])
     report = SandboxReport()
     _die_with_parent(request["parent"])
-    _apply_rlimits(limits)
+    report.memory_rlimit = _apply_rlimits(limits, gpu=any(
+        Path(device).name.startswith("nvidia") for device in request.get("devices", [])))
     report.rlimits = True
     if sys.platform != "linux":
         report.not_enforced.append(f"namespaces and Landlock: {sys.platform} is not Linux; "
                                    f"only the rlimits apply")
         return report
     if limits.network_isolation:
-        _unshare_network(report)
+        _unshare_network(report, request)
     else:
         report.not_enforced.append("network: isolation is turned off by a setting")
     if limits.landlock:
@@ -679,7 +738,7 @@ def _classify(exc: BaseException) -> ErrorBody:
         seen = seen.__cause__ or seen.__context__
     if any(isinstance(e, MemoryError) or _ALLOCATION_FAILED.search(str(e)) for e in chain):
         return ErrorBody(code=ErrorCode.RESOURCE_LIMIT, message=(
-            f"the step ran out of memory under its address-space limit: "
+            f"the step ran out of memory under its memory limit: "
             f"{type(exc).__name__}: {str(exc)[:500]}"), details={"limit": "address_space"})
     if isinstance(exc, KilnError):
         return exc.to_body()

@@ -42,6 +42,25 @@ def allocate(args: dict[str, Any], emit) -> int:
     return len(bytearray(args["bytes"]))
 
 
+def memory_rlimits(args: dict[str, Any], emit) -> dict[str, int]:
+    """The soft address-space and data-segment limits the child runs under (-1: none)."""
+    import resource
+
+    return {"address_space": resource.getrlimit(resource.RLIMIT_AS)[0],
+            "data": resource.getrlimit(resource.RLIMIT_DATA)[0]}
+
+
+def use_tmp(args: dict[str, Any], emit) -> dict[str, Any]:
+    """Make a folder and a file in /tmp, as torch 2.11's package loader does, and say what
+    the child sees there."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(dir="/tmp")
+    Path(folder, "x").write_text("inside")
+    return {"folder": folder, "listing": sorted(os.listdir("/tmp")),
+            "read": Path(folder, "x").read_text()}
+
+
 def spin(args: dict[str, Any], emit) -> None:
     emit({"stage": "spinning"})
     while True:

@@ -8,12 +8,13 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from artifact_store.sandbox import Limits, child_environment, run_sandboxed
-from schemas.errors import InvalidRequest, ResourceLimit, SandboxCrashed, TimedOut
+from schemas.errors import InvalidRequest, KilnError, ResourceLimit, SandboxCrashed, TimedOut
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = "tests.artifact_store.sandbox_targets"
@@ -93,6 +94,57 @@ def test_allocating_past_the_address_space_limit_is_resource_limit(tmp_path: Pat
     assert err.value.details["limit"] == "address_space"
     # the parent lives on, and the next child works
     assert run("allocate", {"bytes": 1 << 20}, tmp_path) == 1 << 20
+
+
+def test_a_child_given_a_gpu_is_bounded_by_its_data_segment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A GPU driver reserves address space far beyond what it uses (CUDA, for unified
+    addressing, more than the card and the host hold together), so a child given a GPU's
+    device nodes is bounded by RLIMIT_DATA instead of RLIMIT_AS, and an allocation past it is
+    still ``resource_limit``. No GPU here: the device node is a file standing in for one
+    (tests/gpu runs the real one through a sandboxed CUDA build)."""
+    import resource
+
+    fake = tmp_path / "dev" / "nvidia0"
+    fake.parent.mkdir()
+    fake.touch()
+    limit = 1 << 30
+    assert run("memory_rlimits", {}, tmp_path / "cpu", address_space_bytes=limit) == {
+        "address_space": limit, "data": resource.getrlimit(resource.RLIMIT_DATA)[0]}
+    monkeypatch.setattr("artifact_store.sandbox.accelerator_devices", lambda: [str(fake)])
+    assert run("memory_rlimits", {}, tmp_path / "gpu", address_space_bytes=limit) == {
+        "address_space": resource.getrlimit(resource.RLIMIT_AS)[0], "data": limit}
+    with pytest.raises(ResourceLimit, match="of memory") as err:
+        run("allocate", {"bytes": 2 << 30}, tmp_path / "gpu", address_space_bytes=limit)
+    assert err.value.details["limit"] == "address_space"
+
+
+@pytest.fixture
+def outside_tmp() -> Iterator[Path]:
+    """A scratch folder outside /tmp, as a worker's (under ``KILN_HOME``)."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="kiln-sandbox-test-"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_child_has_a_private_tmp_inside_its_scratch_folder(outside_tmp: Path,
+                                                                 tmp_path: Path):
+    """A library that writes only to /tmp (torch 2.11's AOTInductor package loader) works in
+    the child, which sees there only its scratch folder's tmp/: nothing of the host's /tmp,
+    and nothing it writes lands there. A scratch folder under /tmp keeps the host's /tmp
+    (binding over it would hide the scratch folder), where Landlock refuses the write."""
+    got = run("use_tmp", {}, outside_tmp)
+    name = Path(got["folder"]).name
+    assert got["read"] == "inside" and got["listing"] == [name]
+    assert (outside_tmp / "tmp" / name / "x").read_text() == "inside"
+    assert not Path("/tmp", name).exists()
+    with pytest.raises(KilnError, match="PermissionError"):
+        run("use_tmp", {}, tmp_path)
 
 
 def test_spinning_past_the_cpu_limit_is_resource_limit_naming_the_stage(tmp_path: Path):

@@ -16,7 +16,11 @@ run only when someone runs ``pytest -m gpu`` on a machine with one. What they co
   caller's earlier work on that stream;
 - ``kiln.torch`` on CUDA tensors, eagerly and inside ``torch.compile(fullgraph=True)``, one
   engine per stream;
-- a plugin's CUDA kernel (the Swish example's Triton kernel) through ``torch.ops``.
+- a plugin's CUDA kernel (the Swish example's Triton kernel) through ``torch.ops``;
+- the worker's sandboxed build (the bounded child, under Landlock and the worker's default
+  limits) driving the GPU: the device nodes it needs are opened to it, and nothing else;
+- the agent's inference server (Open Inference Protocol, REST binary and gRPC) answering from
+  an engine on the CUDA execution provider.
 
 No Kiln backend builds onnxruntime-CUDA engines yet (the compile farm's GPU backends are
 TensorRT and AOTInductor): the onnxruntime tests load an engine whose manifest names the CUDA
@@ -25,6 +29,10 @@ execution provider, as a GPU node's artifact would.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +111,51 @@ def test_aotinductor_builds_verifies_and_runs_a_cuda_package(tmp_path: Path) -> 
     other = {**manifest.runtime_config, "compute_capability": "7.5"}
     with pytest.raises(BackendUnavailable, match=r"compute capability 7\.5; this node's GPU"):
         load_executor(directory, manifest.model_copy(update={"runtime_config": other}))
+
+
+def test_a_sandboxed_build_drives_the_gpu(tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                          ) -> None:
+    """What the worker runs: ``compile_model`` in its bounded child, with the worker's default
+    limits (address space, CPU time, files), Landlock and a network namespace of its own. The
+    child reaches the GPU only through the device nodes the sandbox opens to it; the package
+    it builds is a CUDA one, verified, and runs here."""
+    from artifact_store.sandbox import accelerator_devices
+    from compiler_worker.backends import AOTInductorBackend
+    from compiler_worker.config import WorkerSettings
+    from compiler_worker.pipeline import plan_build, write_artifact_dir
+    from compiler_worker.sandbox import Sandbox, limits_from
+    from kiln import runtime
+    from runtime_agent.fingerprint import detect_fingerprint
+    from schemas.options import CompileOptions
+    from tests.models.torch_programs import tiny_mlp, tiny_mlp_archive
+
+    assert any("nvidia" in device for device in accelerator_devices()), accelerator_devices()
+    fingerprint = detect_fingerprint()
+    key = AOTInductorBackend().fingerprint_key(fingerprint)
+    pt2 = tiny_mlp_archive(tmp_path / "tiny.pt2")
+    options = CompileOptions(backends=["aotinductor"], optimization_level=1)
+    data = pt2.read_bytes()
+    plan = plan_build(hashlib.sha256(data).hexdigest(), options, fingerprint, key=key,
+                      model_format="torch-export")
+    sandbox = Sandbox(limits_from(WorkerSettings()))
+    caplog.set_level("DEBUG", logger="artifact_store.sandbox")
+    # A worker's job folder lies under KILN_HOME, not /tmp: the child gets a /tmp of its own.
+    workdir = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="kiln-gpu-build-"))
+    try:
+        result = sandbox.compile_model(data, options, fingerprint=fingerprint,
+                                       workdir=workdir, plan=plan)
+        directory = write_artifact_dir(result, tmp_path / "artifact")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    not_enforced = [r.getMessage() for r in caplog.records if "sandbox (" in r.getMessage()]
+    assert not any("filesystem" in line for line in not_enforced), not_enforced
+    manifest = result.manifest
+    assert manifest.verification.passed and manifest.runtime_config["device"] == "cuda"
+    x = np.random.default_rng(12).standard_normal((4, 16), dtype=np.float32)
+    got = runtime.load(directory).run({"x": x})
+    with torch.no_grad():
+        want = tiny_mlp()(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(got[manifest.outputs[0].name], want, rtol=1e-4, atol=1e-4)
 
 
 def test_an_fp32_cuda_package_of_convolutions_passes_fp32_verification(tmp_path: Path) -> None:
@@ -297,6 +350,56 @@ def test_kiln_torch_on_cuda_eager_and_compiled(cuda_engine: Path, reference) -> 
     got = compiled(x)
     expected = np.maximum(reference((x * 2.0).cpu().numpy()), 0) + 1.0
     np.testing.assert_allclose(got.cpu().numpy(), expected, rtol=5e-3, atol=5e-3)
+
+
+@needs_ort_cuda
+def test_the_agents_inference_server_answers_from_a_cuda_engine(cuda_engine: Path,
+                                                                reference) -> None:
+    """REST with the binary extension, and gRPC, on an engine on the CUDA provider."""
+    import grpc
+    from fastapi.testclient import TestClient
+
+    from runtime_agent.artifact_dir import load_artifact
+    from runtime_agent.grpc_server import GrpcServer
+    from runtime_agent.inference import Metrics
+    from runtime_agent.protocol import grpc_predict_v2_pb2 as pb
+    from runtime_agent.protocol import grpc_predict_v2_pb2_grpc as pb_grpc
+    from runtime_agent.server import create_app
+    from runtime_agent.serving import ModelTable, ServedModel
+
+    table = ModelTable()
+    table.put(ServedModel("mlp", load_artifact(cuda_engine)))
+    assert table.get("mlp").executor.session.get_providers()[0] == "CUDAExecutionProvider"
+    x = np.random.default_rng(4).standard_normal((5, 64)).astype(np.float32)
+    want = reference(x)
+
+    header = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [5, 64],
+                                     "parameters": {"binary_data_size": x.nbytes}}],
+                         "parameters": {"binary_data_output": True}}).encode()
+    client = TestClient(create_app(table, token="s3cret"))
+    response = client.post("/v2/models/mlp/infer", content=header + x.tobytes(), headers={
+        "Inference-Header-Content-Length": str(len(header)),
+        "Content-Type": "application/octet-stream", "Authorization": "Bearer s3cret"})
+    assert response.status_code == 200, response.text
+    length = int(response.headers["Inference-Header-Content-Length"])
+    got = np.frombuffer(response.content[length:], np.float32).reshape(5, 16)
+    np.testing.assert_allclose(got, want, rtol=5e-3, atol=5e-3)
+
+    server = GrpcServer(table, Metrics(table), "127.0.0.1", 0, token="s3cret", workers=2)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        answer = stub.ModelInfer(pb.ModelInferRequest(
+            model_name="mlp", raw_input_contents=[x.tobytes()],
+            inputs=[pb.ModelInferRequest.InferInputTensor(name="x", datatype="FP32",
+                                                          shape=[5, 64])]),
+            metadata=(("authorization", "Bearer s3cret"),))
+    finally:
+        channel.close()
+        server.stop()
+    got = np.frombuffer(answer.raw_output_contents[0], np.float32).reshape(5, 16)
+    np.testing.assert_allclose(got, want, rtol=5e-3, atol=5e-3)
 
 
 # -- a plugin's CUDA kernel -------------------------------------------------------------------
