@@ -50,6 +50,12 @@ def memory_rlimits(args: dict[str, Any], emit) -> dict[str, int]:
             "data": resource.getrlimit(resource.RLIMIT_DATA)[0]}
 
 
+def write_proc(args: dict[str, Any], emit) -> dict[str, str]:
+    """Write the thread name of the child itself, and of its parent, through /proc."""
+    return {"own": _attempt(lambda: Path("/proc/self/comm").write_text("kiln-child")),
+            "parent": _attempt(lambda: Path(f"/proc/{os.getppid()}/comm").write_text("x"))}
+
+
 def use_tmp(args: dict[str, Any], emit) -> dict[str, Any]:
     """Make a folder and a file in /tmp, as torch 2.11's package loader does, and say what
     the child sees there."""

@@ -119,6 +119,22 @@ def test_a_child_given_a_gpu_is_bounded_by_its_data_segment(
     assert err.value.details["limit"] == "address_space"
 
 
+def test_a_child_given_a_gpu_may_write_its_own_proc_entry_and_no_other(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """CUDA's driver writes files of its own process under /proc as it starts (error 304
+    without it, seen on an H200), so a child given a GPU may write its own /proc/<pid>; not
+    its parent's, and a child with no GPU not even its own. (The device node is a file
+    standing in for one.)"""
+    assert run("write_proc", {}, tmp_path / "cpu")["own"].startswith("refused")
+    fake = tmp_path / "dev" / "nvidia0"
+    fake.parent.mkdir()
+    fake.touch()
+    monkeypatch.setattr("artifact_store.sandbox.accelerator_devices", lambda: [str(fake)])
+    got = run("write_proc", {}, tmp_path / "gpu")
+    assert got["own"].startswith("ok"), got
+    assert got["parent"].startswith("refused"), got
+
+
 @pytest.fixture
 def outside_tmp() -> Iterator[Path]:
     """A scratch folder outside /tmp, as a worker's (under ``KILN_HOME``)."""
