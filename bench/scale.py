@@ -64,6 +64,8 @@ PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 REDIS = os.environ.get("KILN_BENCH_REDIS_URL", "redis://127.0.0.1:6379/14")
 HEARTBEAT_S = 30.0
 WAIT_S = 50.0
+#: Heartbeats sent this long after the deployment change are reported apart.
+CHANGE_WINDOW_S = 5.0
 
 
 @dataclass
@@ -72,6 +74,8 @@ class Phase:
     started: float = 0.0
     ended: float = 0.0
     heartbeats: list[float] = field(default_factory=list)
+    #: When each of ``heartbeats`` was sent (``time.perf_counter()``).
+    heartbeat_at: list[float] = field(default_factory=list)
     submissions: list[float] = field(default_factory=list)
     renewals: int = 0
     errors: dict[str, int] = field(default_factory=dict)
@@ -167,6 +171,7 @@ class Fleet:
             if self.phase is not None:
                 if ok:
                     self.phase.heartbeats.append(time.perf_counter() - started)
+                    self.phase.heartbeat_at.append(started)
                 else:
                     self._error("heartbeat not 204")
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
@@ -462,6 +467,23 @@ def report(args, phases: list[Phase], fleet: Fleet, change_s: float, costs: list
                           f"{p50:.1f}", f"{p99:.1f}", f"{max(samples) * 1000:.0f}",
                           f"{p99 / p50:.1f}x",
                           ", ".join(f"{k}: {v}" for k, v in phase.errors.items()) or "0")
+        if fleet.changed_at is not None and phase.started <= fleet.changed_at <= phase.ended:
+            # Where the phase's p99 comes from: the heartbeats sent while the deployment's
+            # thousand long-polls were being answered, and the others.
+            window = (fleet.changed_at, fleet.changed_at + CHANGE_WINDOW_S)
+            split = {True: [], False: []}
+            for at, latency in zip(phase.heartbeat_at, phase.heartbeats, strict=True):
+                split[window[0] <= at < window[1]].append(latency)
+            for inside, samples in split.items():
+                if len(samples) < 2:
+                    continue
+                p50, p99 = pct(samples, 0.5) * 1000, pct(samples, 0.99) * 1000
+                span = CHANGE_WINDOW_S if inside else phase.seconds - CHANGE_WINDOW_S
+                table.add_row(f"  heartbeats {'within' if inside else 'outside'} "
+                              f"{CHANGE_WINDOW_S:g} s of the change", f"{span:.0f}",
+                              str(len(samples)), f"{len(samples) / span:.0f}", f"{p50:.1f}",
+                              f"{p99:.1f}", f"{max(samples) * 1000:.0f}", f"{p99 / p50:.1f}x",
+                              "")
     console.print(table)
 
     table = Table(title="Cost: the API processes, PostgreSQL, and the load generator beside them")
