@@ -173,6 +173,11 @@ class KilnSettings(SharedSettings):
     #: sandboxed inspection of an upload and its copy into the store. Kept apart, a few large
     #: uploads never hold the threads that short requests need.
     api_slow_threads: int = Field(16, ge=1, le=256)
+    #: Threads each `kiln api` process gives to computing desired states (a deployment wakes
+    #: the held long-polls of many profiles at once; each profile is computed once). Kept few:
+    #: each computation is mostly Python, and every busy thread takes turns at the interpreter
+    #: lock with the event loop that answers heartbeats and held long-polls.
+    api_desired_state_threads: int = Field(2, ge=1, le=64)
     #: How often a `kiln api` process runs a full garbage collection, seconds; automatic full
     #: collections are off in between, and what start-up built is frozen out of every
     #: collection (``services/api/collector.py``: with thousands of held long-polls, CPython's
@@ -184,7 +189,8 @@ class KilnSettings(SharedSettings):
     heartbeat_flush_s: float = Field(0.5, ge=0, le=10)
     #: How old the API's copy of the revoked token ids may grow before it reads them again,
     #: seconds. A token revoked through this API process is refused at once; one revoked
-    #: through another replica within this time (0: look every token up in the database).
+    #: through another replica within this time and the read that follows it (while that read
+    #: runs, at most 2 s more; 0: look every token up in the database).
     revocation_refresh_s: float = Field(1.0, ge=0, le=60)
     #: How long the API keeps an agent profile's computed desired models, seconds, when no
     #: change concerning them arrives (0: compute on every request). Every change that alters

@@ -10,9 +10,14 @@ keeps it as a set and reads it again when it is older than ``refresh_s``:
 - one made through another API replica is refused here within ``refresh_s`` (1 s by default);
 - ``refresh_s`` 0 looks every token up in the database, as before.
 
-``known(jti)`` answers from a fresh set without blocking (the front door calls it on the event
-loop); when the set is stale it answers ``None`` and ``revoked(jti)``, in a worker thread,
-reads the list again (one thread at a time; the others wait for that read).
+``known(jti)`` answers from the set without blocking (the front door calls it on the event
+loop). Once the set is older than ``refresh_s`` it starts one read in a thread of its own and
+goes on answering from the set while that read runs, for at most ``STALE_GRACE_S`` more: when
+a deployment keeps the API's worker threads busy for seconds, the requests of that second do
+not each queue for a worker thread behind it (every heartbeat did, and waited up to 2.4 s).
+Past the grace (the database is slow or gone), ``known`` answers ``None`` and
+``revoked(jti)``, in a worker thread, reads the list itself (one thread at a time; the others
+wait for that read), so a list that cannot be read is never trusted for long.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from sqlalchemy.orm import Session
 from services.db import repo
 
 logger = logging.getLogger(__name__)
+
+#: How long past ``refresh_s`` the set still answers while its re-read runs, seconds.
+STALE_GRACE_S = 2.0
 
 
 class RevocationList:
@@ -43,11 +51,48 @@ class RevocationList:
         self.reads = 0
 
     def known(self, jti: str) -> bool | None:
-        """Whether ``jti`` is revoked, from the set when it is fresh; ``None`` otherwise."""
+        """Whether ``jti`` is revoked, from the set; ``None`` when it is older than
+        ``refresh_s`` + ``STALE_GRACE_S`` (or was never read). A set older than ``refresh_s``
+        is read again in the background meanwhile."""
         read_at = self._read_at
-        if self.refresh_s <= 0 or read_at is None or time.monotonic() - read_at > self.refresh_s:
+        if self.refresh_s <= 0 or read_at is None:
             return None
+        age = time.monotonic() - read_at
+        if age > self.refresh_s:
+            self._read_in_background()
+            if age > self.refresh_s + STALE_GRACE_S:
+                return None
         return jti in self._jtis or jti in self._here
+
+    def _read_in_background(self) -> None:
+        """Start reading the list again in a thread of its own, unless a read is running."""
+        if not self._lock.acquire(blocking=False):
+            return  # a read is running (in the background, or ``revoked``'s)
+        thread = threading.Thread(target=self._background_read, name="kiln-revocations",
+                                  daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _background_read(self) -> None:
+        try:
+            self._read()
+        except Exception as exc:  # the request path reads (and answers 503) past the grace
+            logger.warning("could not read the revoked tokens again (%s: %s); answering from "
+                           "the list read %.1f s ago", type(exc).__name__, exc,
+                           time.monotonic() - (self._read_at or 0.0))
+        finally:
+            self._lock.release()
+
+    def _read(self) -> None:
+        """Read the list (the caller holds ``_lock``)."""
+        started = time.monotonic()
+        with self.session_factory() as session:
+            self._jtis = repo.revoked_jtis(session)
+        self._read_at = started
+        self.reads += 1
 
     def revoked(self, jti: str) -> bool:
         """Whether ``jti`` is revoked, reading the list again first when it is stale (may
@@ -58,13 +103,15 @@ class RevocationList:
         if (answer := self.known(jti)) is not None:
             return answer
         with self._lock:
-            if (answer := self.known(jti)) is not None:  # read by another thread meanwhile
+            if (answer := self._fresh(jti)) is not None:  # read by another thread meanwhile
                 return answer
-            started = time.monotonic()
-            with self.session_factory() as session:
-                self._jtis = repo.revoked_jtis(session)
-            self._read_at = started
-            self.reads += 1
+            self._read()
+        return jti in self._jtis or jti in self._here
+
+    def _fresh(self, jti: str) -> bool | None:
+        read_at = self._read_at
+        if read_at is None or time.monotonic() - read_at > self.refresh_s:
+            return None
         return jti in self._jtis or jti in self._here
 
     def add(self, jti: str) -> None:

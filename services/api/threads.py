@@ -5,7 +5,9 @@ pool, bounded by ``KILN_API_THREADS``: every busy thread takes turns at the inte
 with the event loop that answers heartbeats and held long-polls, so the pool is kept small.
 Work that mostly waits on something else (the sandboxed inspection of an upload, its copy into
 the store) runs through ``run_slow`` in a pool of its own (``KILN_API_SLOW_THREADS``), so
-that a few large uploads never hold the threads short requests need.
+that a few large uploads never hold the threads short requests need. Desired-state
+computations (a deployment wakes many profiles' long-polls at once) run through
+``run_desired``, a few at a time (``KILN_API_DESIRED_STATE_THREADS``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def configure(app: FastAPI, settings: KilnSettings) -> None:
     """Size this event loop's pools (call it on the loop that serves ``app``)."""
     anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
     app.state.slow_threads = anyio.CapacityLimiter(settings.api_slow_threads)
+    app.state.desired_threads = anyio.CapacityLimiter(settings.api_desired_state_threads)
 
 
 async def run_slow(request: Request, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
@@ -35,3 +38,10 @@ async def run_slow(request: Request, fn: Callable[..., T], /, *args: Any, **kwar
     limiter = getattr(request.app.state, "slow_threads", None)
     return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs),
                                           limiter=limiter)
+
+
+async def run_desired(request: Request, fn: Callable[[], T], /) -> T:
+    """``fn()`` in a thread of the desired-state pool (the default pool where the app was not
+    started through its lifespan)."""
+    limiter = getattr(request.app.state, "desired_threads", None)
+    return await anyio.to_thread.run_sync(fn, limiter=limiter)

@@ -4,6 +4,7 @@ long-poll of the desired state, and the fleet."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 from typing import Annotated
 
@@ -35,6 +36,7 @@ from services.api.fleet import AgentProfile, desired_models, desired_state
 from services.api.gate import AGENT_PARAM
 from services.api.keys import check_claimed_keys
 from services.api.liveness import HeartbeatWriter
+from services.api.threads import run_desired
 from services.config import KilnSettings
 from services.db import repo
 from services.signer import OnlineSigner
@@ -192,8 +194,8 @@ async def poll_desired_state(
         while True:
             waiter.event.clear()
             await hub.turn()  # a change woke thousands: heartbeats go between them
-            labels, desired = kept() or await hub.recompute(name, compute, kept,
-                                                            run_in_threadpool)
+            labels, desired = kept() or await hub.recompute(
+                name, compute, kept, functools.partial(run_desired, request))
             recomputes += 1
             waiter.learn(labels, desired)
             digest = desired.content_digest()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import anyio
 import anyio.to_thread
@@ -16,7 +17,7 @@ from fastapi.testclient import TestClient
 from services.api.app import create_app
 from services.api.desired import DesiredStateHub, LoopPace
 from services.api.fleet import AgentProfile
-from services.api.threads import run_slow
+from services.api.threads import run_desired, run_slow
 
 
 class Passes:
@@ -181,14 +182,55 @@ def test_a_failed_computation_is_not_shared():
 
 
 def test_the_api_sizes_its_thread_pools_from_the_settings(settings):
-    app = create_app(settings.model_copy(update={"api_threads": 3, "api_slow_threads": 2}))
+    app = create_app(settings.model_copy(update={
+        "api_threads": 3, "api_slow_threads": 2, "api_desired_state_threads": 1}))
 
-    async def sizes() -> tuple[float, float]:
+    async def sizes() -> tuple[float, float, float]:
         return (anyio.to_thread.current_default_thread_limiter().total_tokens,
-                app.state.slow_threads.total_tokens)
+                app.state.slow_threads.total_tokens, app.state.desired_threads.total_tokens)
 
     with TestClient(app) as client:
-        assert client.portal.call(sizes) == (3, 2)
+        assert client.portal.call(sizes) == (3, 2, 1)
+
+
+def test_desired_state_computations_run_a_few_at_a_time():
+    """A deployment wakes many profiles' long-polls at once: their computations go through
+    their own small pool, at most its size at once, and leave the short pool free."""
+    from fastapi import FastAPI
+    from starlette.requests import Request
+
+    app = FastAPI()
+    request = Request({"type": "http", "app": app})
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def compute() -> str:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        return "models"
+
+    async def scenario() -> list[str]:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = 1
+        app.state.desired_threads = anyio.CapacityLimiter(2)
+        results: list[str] = []
+
+        async def one() -> None:
+            results.append(await run_desired(request, compute))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(6):
+                tg.start_soon(one)
+            await anyio.sleep(0.01)
+            with anyio.fail_after(2):  # the short pool is free meanwhile
+                assert await anyio.to_thread.run_sync(lambda: True)
+        return results
+
+    assert anyio.run(scenario) == ["models"] * 6
+    assert most[0] == 2
 
 
 def test_slow_work_never_holds_the_short_pool():

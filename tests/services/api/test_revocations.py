@@ -1,0 +1,64 @@
+"""The API's copy of the revoked token ids (``services/api/revocations.py``): a stale copy
+answers while one read runs in the background, so requests never queue for a worker thread
+behind a busy pool; past the grace, a request reads the list itself."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+from fastapi.testclient import TestClient
+
+from services.api.app import create_app
+from services.api.revocations import STALE_GRACE_S
+from services.db import repo, session_scope
+from tests.services.api.conftest import make_settings
+
+
+def _jti() -> str:
+    return uuid.uuid4().hex
+
+
+def test_a_stale_list_answers_while_one_read_runs_in_the_background(tmp_path) -> None:
+    settings = make_settings(tmp_path, revocation_refresh_s=1.0, job_sweep_s=0)
+    app = create_app(settings)
+    with TestClient(app):
+        revocations = app.state.revocations
+        factory = revocations.session_factory
+        revoked, kept = _jti(), _jti()
+        with session_scope(factory) as session:
+            repo.revoke_token(session, jti=revoked)
+        entered, release = threading.Event(), threading.Event()
+        threads = []
+
+        def slow_database():  # the read hangs until the test lets it go on
+            threads.append(threading.current_thread().name)
+            entered.set()
+            assert release.wait(10)
+            return factory()
+
+        revocations.session_factory = slow_database
+        revocations._read_at = time.monotonic() - 1.5  # stale, within the grace
+        reads = revocations.reads
+        started = time.monotonic()
+        assert revocations.known(kept) is False  # answered from the set, at once
+        assert entered.wait(5), "no read started"
+        for _ in range(50):  # further stale requests start no second read
+            assert revocations.known(kept) is False
+        assert time.monotonic() - started < 1.0
+        with session_scope(factory) as session:  # revoked behind its back (another replica)
+            repo.revoke_token(session, jti=kept)
+        release.set()
+        deadline = time.monotonic() + 5
+        while revocations.reads == reads:
+            assert time.monotonic() < deadline, "the background read never finished"
+            time.sleep(0.01)
+        assert threads == ["kiln-revocations"] and revocations.reads == reads + 1
+        assert revocations.known(kept) is True and revocations.known(revoked) is True
+
+        # Past the grace the copy is not trusted: the request path reads it itself.
+        revocations.session_factory = factory
+        revocations._read_at = time.monotonic() - (1.0 + STALE_GRACE_S + 0.5)
+        assert revocations.known(kept) is None
+        assert revocations.revoked(kept) is True and revocations.known(kept) is True
