@@ -279,7 +279,7 @@ def test_a_flood_of_output_is_relayed_only_up_to_its_cap(
 
 def test_accelerator_device_nodes_are_found_and_nothing_else(tmp_path: Path):
     """Which /dev nodes a build may open read-write (Landlock): GPUs only. (No GPU here: the
-    rule is checked on a fake /dev; CUDA inside a sandboxed child never ran on this host.)"""
+    rule is checked on a fake /dev; ``tests/gpu`` builds on a real GPU in a sandboxed child.)"""
     from artifact_store.sandbox import accelerator_devices
 
     for name in ("nvidia0", "nvidiactl", "nvidia-uvm", "sda", "null", "shm"):
