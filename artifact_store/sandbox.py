@@ -566,7 +566,7 @@ def _apply_rlimits(limits: Limits, *, gpu: bool = False) -> str:
     return memory
 
 
-def _unshare_network(report: SandboxReport, request: Mapping[str, Any]) -> None:
+def _unshare(report: SandboxReport, request: Mapping[str, Any]) -> None:
     """A user and network namespace of the child's own and, with them, a mount namespace in
     which its scratch folder's ``tmp/`` is bound over ``/tmp`` (``_private_tmp``)."""
     libc = _libc()
@@ -607,7 +607,7 @@ def _private_tmp(libc: ctypes.CDLL, request: Mapping[str, Any]) -> bool:
 
 
 def _landlock(request: Mapping[str, Any], report: SandboxReport,
-              max_abi: int | None = None) -> None:
+              max_abi: int | None = None, *, gpu: bool = False) -> None:
     libc = _libc()
     abi = libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, None, 0, _LANDLOCK_CREATE_RULESET_VERSION)
     if abi < 1:
@@ -656,10 +656,9 @@ def _landlock(request: Mapping[str, Any], report: SandboxReport,
         for path in request["list_roots"]:
             allow(path, _FS_READ_DIR)
         allow("/dev/null", _FS_READ_FILE | _FS_WRITE_FILE | _FS_TRUNCATE)
-        devices = request.get("devices", [])
-        for device in devices:  # GPUs: opened read-write, driven by ioctl
+        for device in request.get("devices", []):  # GPUs: opened read-write, driven by ioctl
             allow(device, _FS_READ_FILE | _FS_WRITE_FILE | _FS_IOCTL_DEV | _FS_READ_DIR)
-        if devices:
+        if gpu:
             # CUDA's driver writes (and truncates) files of its own process under /proc when
             # it starts; without this, cudaGetDeviceCount fails with error 304. The child's
             # own /proc entry only: nothing of another process, nothing under /proc/sys.
@@ -704,19 +703,19 @@ def confine(request: Mapping[str, Any]) -> SandboxReport:
     limits = Limits(**request["limits"])
     report = SandboxReport()
     _die_with_parent(request["parent"])
-    report.memory_rlimit = _apply_rlimits(limits, gpu=any(
-        Path(device).name.startswith("nvidia") for device in request.get("devices", [])))
+    gpu = any(Path(device).name.startswith("nvidia") for device in request.get("devices", []))
+    report.memory_rlimit = _apply_rlimits(limits, gpu=gpu)
     report.rlimits = True
     if sys.platform != "linux":
         report.not_enforced.append(f"namespaces and Landlock: {sys.platform} is not Linux; "
                                    f"only the rlimits apply")
         return report
     if limits.network_isolation:
-        _unshare_network(report, request)
+        _unshare(report, request)
     else:
         report.not_enforced.append("network: isolation is turned off by a setting")
     if limits.landlock:
-        _landlock(request, report, limits.landlock_max_abi)
+        _landlock(request, report, limits.landlock_max_abi, gpu=gpu)
         if not report.network_namespace and report.landlock_network:
             report.not_enforced[:] = [line.replace("so the child shares the host's network; ",
                                                    "") for line in report.not_enforced]

@@ -54,14 +54,20 @@ class RevocationList:
         """Whether ``jti`` is revoked, from the set; ``None`` when it is older than
         ``refresh_s`` + ``STALE_GRACE_S`` (or was never read). A set older than ``refresh_s``
         is read again in the background meanwhile."""
-        read_at = self._read_at
-        if self.refresh_s <= 0 or read_at is None:
+        if self.refresh_s <= 0 or (age := self._age()) is None:
             return None
-        age = time.monotonic() - read_at
         if age > self.refresh_s:
             self._read_in_background()
             if age > self.refresh_s + STALE_GRACE_S:
                 return None
+        return self._has(jti)
+
+    def _age(self) -> float | None:
+        """Seconds since the set was read; ``None`` before the first read."""
+        read_at = self._read_at
+        return None if read_at is None else time.monotonic() - read_at
+
+    def _has(self, jti: str) -> bool:
         return jti in self._jtis or jti in self._here
 
     def _read_in_background(self) -> None:
@@ -100,19 +106,10 @@ class RevocationList:
         if self.refresh_s <= 0:
             with self.session_factory() as session:
                 return repo.token_revoked(session, jti=jti)
-        if (answer := self.known(jti)) is not None:
-            return answer
-        with self._lock:
-            if (answer := self._fresh(jti)) is not None:  # read by another thread meanwhile
-                return answer
-            self._read()
-        return jti in self._jtis or jti in self._here
-
-    def _fresh(self, jti: str) -> bool | None:
-        read_at = self._read_at
-        if read_at is None or time.monotonic() - read_at > self.refresh_s:
-            return None
-        return jti in self._jtis or jti in self._here
+        with self._lock:  # a read running meanwhile (another thread's) is waited for
+            if (age := self._age()) is None or age > self.refresh_s:
+                self._read()
+        return self._has(jti)
 
     def add(self, jti: str) -> None:
         """``jti`` was revoked through this process (after its commit)."""

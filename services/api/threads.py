@@ -33,15 +33,16 @@ def configure(app: FastAPI, settings: KilnSettings) -> None:
 
 
 async def run_slow(request: Request, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)`` in a thread of the slow pool (the default pool where the app
-    was not started through its lifespan)."""
-    limiter = getattr(request.app.state, "slow_threads", None)
-    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs),
-                                          limiter=limiter)
+    """``fn(*args, **kwargs)`` in a thread of the slow pool."""
+    return await _in_pool(request, "slow_threads", functools.partial(fn, *args, **kwargs))
 
 
 async def run_desired(request: Request, fn: Callable[[], T], /) -> T:
-    """``fn()`` in a thread of the desired-state pool (the default pool where the app was not
-    started through its lifespan)."""
-    limiter = getattr(request.app.state, "desired_threads", None)
-    return await anyio.to_thread.run_sync(fn, limiter=limiter)
+    """``fn()`` in a thread of the desired-state pool."""
+    return await _in_pool(request, "desired_threads", fn)
+
+
+async def _in_pool(request: Request, pool: str, fn: Callable[[], T]) -> T:
+    """``fn()`` in the pool ``configure`` set as ``app.state.<pool>`` (the default pool where
+    the app was not started through its lifespan)."""
+    return await anyio.to_thread.run_sync(fn, limiter=getattr(request.app.state, pool, None))
