@@ -17,7 +17,9 @@ a deployment keeps the API's worker threads busy for seconds, the requests of th
 not each queue for a worker thread behind it (every heartbeat did, and waited up to 2.4 s).
 Past the grace (the database is slow or gone), ``known`` answers ``None`` and
 ``revoked(jti)``, in a worker thread, reads the list itself (one thread at a time; the others
-wait for that read), so a list that cannot be read is never trusted for long.
+wait for that read), so a list that cannot be read is never trusted for long. A background
+read that failed is not tried again for ``refresh_s``: with the database gone, requests would
+otherwise start one read after another, each waiting out the connection timeout.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class RevocationList:
         self._here: set[str] = set()
         #: ``time.monotonic()`` of the last read; ``None`` before the first.
         self._read_at: float | None = None
+        #: ``time.monotonic()`` of the last background read that failed; ``None`` after one
+        #: that succeeded.
+        self._failed_at: float | None = None
         self.reads = 0
 
     def known(self, jti: str) -> bool | None:
@@ -71,7 +76,11 @@ class RevocationList:
         return jti in self._jtis or jti in self._here
 
     def _read_in_background(self) -> None:
-        """Start reading the list again in a thread of its own, unless a read is running."""
+        """Start reading the list again in a thread of its own, unless a read is running or
+        the last one failed less than ``refresh_s`` ago."""
+        failed_at = self._failed_at
+        if failed_at is not None and time.monotonic() - failed_at < self.refresh_s:
+            return
         if not self._lock.acquire(blocking=False):
             return  # a read is running (in the background, or ``revoked``'s)
         thread = threading.Thread(target=self._background_read, name="kiln-revocations",
@@ -86,6 +95,7 @@ class RevocationList:
         try:
             self._read()
         except Exception as exc:  # the request path reads (and answers 503) past the grace
+            self._failed_at = time.monotonic()
             logger.warning("could not read the revoked tokens again (%s: %s); answering from "
                            "the list read %.1f s ago", type(exc).__name__, exc,
                            time.monotonic() - (self._read_at or 0.0))
@@ -98,6 +108,7 @@ class RevocationList:
         with self.session_factory() as session:
             self._jtis = repo.revoked_jtis(session)
         self._read_at = started
+        self._failed_at = None
         self.reads += 1
 
     def revoked(self, jti: str) -> bool:

@@ -62,3 +62,42 @@ def test_a_stale_list_answers_while_one_read_runs_in_the_background(tmp_path) ->
         revocations._read_at = time.monotonic() - (1.0 + STALE_GRACE_S + 0.5)
         assert revocations.known(kept) is None
         assert revocations.revoked(kept) is True and revocations.known(kept) is True
+
+
+def test_a_failed_background_read_is_not_retried_by_every_request(tmp_path) -> None:
+    """With the database gone, the stale requests of the next ``refresh_s`` start no new read
+    after the one that failed; the first request after it does."""
+    settings = make_settings(tmp_path, revocation_refresh_s=0.5, job_sweep_s=0)
+    app = create_app(settings)
+    with TestClient(app):
+        revocations = app.state.revocations
+        factory = revocations.session_factory
+        attempts = []
+
+        def gone():
+            attempts.append(time.monotonic())
+            raise ConnectionError("the database is down")
+
+        def wait_for_failure() -> None:
+            deadline = time.monotonic() + 5
+            while revocations._failed_at is None or revocations._lock.locked():
+                assert time.monotonic() < deadline, "the background read never ended"
+                time.sleep(0.005)
+
+        revocations.session_factory = gone
+        revocations._read_at = time.monotonic() - 0.6  # stale, within the grace
+        jti = _jti()
+        assert revocations.known(jti) is False
+        wait_for_failure()
+        while time.monotonic() - revocations._failed_at < 0.4:  # requests keep coming
+            assert revocations.known(jti) is False
+            time.sleep(0.001)
+        assert len(attempts) == 1, f"{len(attempts)} reads after the database went away"
+        time.sleep(0.5)  # refresh_s after the failure: the next request tries again
+        revocations.session_factory = factory
+        revocations.known(jti)
+        deadline = time.monotonic() + 5
+        while revocations._failed_at is not None:
+            assert time.monotonic() < deadline, "no read after the back-off"
+            time.sleep(0.005)
+        assert len(attempts) == 1 and revocations.known(jti) is False
