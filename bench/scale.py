@@ -17,13 +17,14 @@ measured) on one hardware key, labelled ``g=0..99`` and ``ring=0..9``. Ten deplo
    another model and the time until every long-poll it concerns is answered is taken.
 
 The load generator (aiohttp on one event loop) runs in this process, the API in its own; on a
-small machine they share its cores, which the tables say (CPU of each). Database time is
-PostgreSQL's own account of it (``pg_stat_database.active_time``, all statements of the API's
-database in the phase), divided by the heartbeats of the phase: an upper bound of a heartbeat's
-share, since long-poll renewals and submissions are in it too.
+small machine they share its cores, which the tables say (CPU of each), and its own event
+loop's lag (how late a 10 ms sleep wakes): every latency it takes includes that lag. Database
+time is PostgreSQL's own account of it (``pg_stat_database.active_time``, all statements of the
+API's database in the phase), divided by the heartbeats of the phase: an upper bound of a
+heartbeat's share, since long-poll renewals and submissions are in it too.
 
     .venv/bin/python bench/scale.py [--agents 10000] [--submit-rate 200] [--phase-s 30]
-                                    [--api-processes 2] [--agent-processes 1]
+                                    [--api-processes 2] [--agent-processes 1] [--api-nice 5]
 """
 
 from __future__ import annotations
@@ -85,12 +86,26 @@ class Phase:
     #: The machine's busy share over the phase (all processes), 0..1.
     busy: float = 0.0
     api_rss: list[int] = field(default_factory=list)
+    #: How late the load generator's event loop woke a 10 ms sleep, seconds, sampled over the
+    #: phase: every latency it takes includes its own lateness.
+    loop_lag: list[float] = field(default_factory=list)
     db_active_ms: float = 0.0
     db_xacts: int = 0
 
     @property
     def seconds(self) -> float:
         return self.ended - self.started
+
+
+async def loop_lag(fleet: Fleet, period: float = 0.01) -> None:
+    """Sample the load generator's own event-loop lag into the current phase: a loop busy with
+    its 10,000 agents' callbacks wakes a sleep late, and every request it times waits the same.
+    When it is near the heartbeat's latency, the table measures the generator, not the API."""
+    while not fleet.stop:
+        started = time.perf_counter()
+        await asyncio.sleep(period)
+        if fleet.phase is not None:
+            fleet.phase.loop_lag.append(time.perf_counter() - started - period)
 
 
 class Fleet:
@@ -380,6 +395,7 @@ async def run(args, stack: EmbeddedStack, admin: sa.Engine, db: str,
                       f"({time.perf_counter() - ramp:.0f} s after the first)")
         tasks += [asyncio.create_task(fleet.heartbeats(short, i, HEARTBEAT_S * i / args.agents))
                   for i in range(args.agents)]
+        tasks.append(asyncio.create_task(loop_lag(fleet)))
         await asyncio.sleep(2.0)
 
         phases = []
@@ -447,8 +463,8 @@ def report(args, phases: list[Phase], fleet: Fleet, change_s: float, costs: list
                       f"{cpu / base:.1f}x")
     console.print(table)
 
-    fleet_port = (f" + {args.agent_processes} on the agents' own port"
-                  if args.agent_processes else "")
+    fleet_port = (f" + {args.agent_processes} on the agents' own port (the API's at nice "
+                  f"+{args.api_nice})" if args.agent_processes else "")
     table = Table(title=f"{args.agents} agents on `kiln api` with {args.api_processes} "
                         f"process(es){fleet_port} (PostgreSQL, Redis), "
                         f"heartbeats every {HEARTBEAT_S:g} s, long-polls of {WAIT_S:g} s; "
@@ -490,7 +506,7 @@ def report(args, phases: list[Phase], fleet: Fleet, change_s: float, costs: list
     for col in ("phase", "API CPU % (100 = a core; all processes)", "API RSS MiB (median [max])",
                 "long-poll renewals /s", "DB active ms / heartbeat (all statements)",
                 "DB transactions / heartbeat", "PostgreSQL CPU %", "load generator CPU %",
-                "machine busy %"):
+                "load generator loop lag p50 / p99 ms", "machine busy %"):
         table.add_column(col, justify="right")
     for phase in phases:
         beats = max(1, len(phase.heartbeats))
@@ -501,6 +517,8 @@ def report(args, phases: list[Phase], fleet: Fleet, change_s: float, costs: list
                       f"{phase.db_active_ms / beats:.3f}", f"{phase.db_xacts / beats:.2f}",
                       f"{100 * phase.pg_cpu_s / phase.seconds:.0f}",
                       f"{100 * phase.own_cpu_s / phase.seconds:.0f}",
+                      f"{1000 * pct(phase.loop_lag, 0.5):.1f} / "
+                      f"{1000 * pct(phase.loop_lag, 0.99):.1f}",
                       f"{100 * phase.busy:.0f} of {os.cpu_count()} cores")
     console.print(table)
 
@@ -527,6 +545,9 @@ def main() -> None:
     parser.add_argument("--agent-processes", type=int, default=1,
                         help="processes serving a port of the agents' own "
                         "(KILN_API_AGENT_PROCESSES; 0: the agents use the API's port)")
+    parser.add_argument("--api-nice", type=int, default=5,
+                        help="niceness of the API port's processes against the fleet port's "
+                        "(KILN_API_NICE, whose default is 5; 0: the same priority)")
     parser.add_argument("--submit-rate", type=float, default=200.0)
     parser.add_argument("--phase-s", type=float, default=30.0)
     parser.add_argument("--cost-requests", type=int, default=300,
@@ -555,7 +576,8 @@ def main() -> None:
             "KILN_LOG_LEVEL": "WARNING", "KILN_API_PROCESSES": str(args.api_processes),
             **({"KILN_API_AGENT_PORT": str(free_port()),
                 "KILN_API_AGENT_PROCESSES": str(args.agent_processes)}
-               if args.agent_processes else {})})
+               if args.agent_processes else {}),
+            "KILN_API_NICE": str(args.api_nice)})
         try:
             stack.prepare()
             model_ids = seed(database_url, (home / "store").as_uri(), home / "signing.key",

@@ -152,7 +152,8 @@ def api(
     migrate(settings.database_url)  # once, before the processes start
     raise typer.Exit(serve(settings.api_processes, **config,
                            agent_port=settings.api_agent_port,
-                           agent_processes=settings.api_agent_processes))
+                           agent_processes=settings.api_agent_processes,
+                           nice=settings.api_nice))
 
 
 @app.command()

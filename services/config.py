@@ -140,6 +140,13 @@ class KilnSettings(SharedSettings):
     api_agent_port: int | None = Field(None, ge=1, le=65535)
     #: Processes serving `KILN_API_AGENT_PORT`.
     api_agent_processes: int = Field(1, ge=1, le=64)
+    #: Niceness (`nice(2)`) added to the processes serving the API's own port when the fleet
+    #: has one of its own (`KILN_API_AGENT_PORT`): on a machine whose cores are all busy, the
+    #: kernel then runs a fleet process as soon as a heartbeat or long-poll wakes it, and the
+    #: submissions wait instead. Liveness is the traffic whose lateness costs something (an
+    #: agent heard late is taken for gone); a submission is answered a little later. 0: the
+    #: same priority for both.
+    api_nice: int = Field(5, ge=0, le=19)
     #: Lifetime of presigned download URLs, seconds.
     presign_ttl_s: int = Field(3600, ge=1)
     #: How often agents are told to heartbeat, seconds.

@@ -51,9 +51,10 @@ def balanced() -> bool:
 
 
 def serve(processes: int, *, host: str, port: int, log_level: str,
-          agent_port: int | None = None, agent_processes: int = 1) -> int:
+          agent_port: int | None = None, agent_processes: int = 1, nice: int = 0) -> int:
     """Serve the API with ``processes`` processes (and ``agent_processes`` more on
-    ``agent_port``, when given) until SIGTERM or SIGINT; the exit status."""
+    ``agent_port``, when given) until SIGTERM or SIGINT; the exit status. With a fleet port,
+    the API port's processes run ``nice`` lower in priority than the fleet's."""
     if not balanced():
         if agent_port is not None:
             raise ConfigError("KILN_API_AGENT_PORT needs SO_REUSEPORT as Linux has it; "
@@ -71,7 +72,9 @@ def serve(processes: int, *, host: str, port: int, log_level: str,
 
     def start(index: int) -> multiprocessing.process.BaseProcess:
         name = f"kiln-api-{index}" if index < processes else f"kiln-api-agents-{index}"
-        process = context.Process(target=_serve_one, args=(host, ports[index], log_level),
+        lower = nice if agent_port is not None and index < processes else 0
+        process = context.Process(target=_serve_one,
+                                  args=(host, ports[index], log_level, lower),
                                   name=name, daemon=False)
         process.start()
         return process
@@ -89,8 +92,8 @@ def serve(processes: int, *, host: str, port: int, log_level: str,
         signal.signal(sig, stop)
     logger.info("API: %d processes on %s:%d (SO_REUSEPORT)", processes, host, port)
     if agent_port is not None:
-        logger.info("API for the fleet: %d processes on %s:%d", agent_processes, host,
-                    agent_port)
+        logger.info("API for the fleet: %d processes on %s:%d%s", agent_processes, host,
+                    agent_port, f" (the API's own run at nice +{nice})" if nice else "")
     restarts: list[float] = []
     while True:
         time.sleep(0.2)
@@ -128,8 +131,11 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
 
 
-def _serve_one(host: str, port: int, log_level: str) -> None:
-    """One process: its own socket on the shared port, uvicorn on it."""
+def _serve_one(host: str, port: int, log_level: str, nice: int = 0) -> None:
+    """One process: its own socket on the shared port, uvicorn on it; ``nice`` lower in
+    priority than its parent."""
+    if nice:
+        os.nice(nice)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -44,7 +44,11 @@ def serving_processes(stack: EmbeddedStack) -> list[psutil.Process]:
 
 
 def test_a_deployment_through_one_process_reaches_the_long_polls_all_processes_hold(stack):
-    assert len(serving_processes(stack)) == 2
+    children = serving_processes(stack)
+    assert len(children) == 2
+    # No fleet port: nothing to put first, so every process keeps the parent's priority.
+    parent = psutil.Process(stack.processes[0].pid)
+    assert [p.nice() for p in children] == [parent.nice()] * 2
     headers = {"Authorization": f"Bearer {stack.token}"}
     with httpx.Client(base_url=stack.api_url, headers=headers, timeout=30) as api:
         model_id = api.post("/v1/models", files={"file": ("mlp.onnx", mlp().SerializeToString())}
@@ -126,14 +130,23 @@ def fleet_port_stack(request, tmp_path: Path, postgres_url: str,
 
 def test_the_fleet_port_has_processes_of_its_own_and_hears_of_changes_at_once(
         fleet_port_stack):
-    """``KILN_API_AGENT_PORT``: a process of its own serves the agents' port; a long-poll
+    """``KILN_API_AGENT_PORT``: a process of its own serves the agents' port, at the
+    parent's priority while the API's port is served ``KILN_API_NICE`` (5) lower; a long-poll
     held there is answered when a deployment is made through the API's port (the re-check
     runs every 0.1 s with a fleet port), and SIGTERM stops both."""
     stack, agents_url = fleet_port_stack
     children = serving_processes(stack)
-    ports = sorted({c.laddr.port for p in children for c in p.net_connections("tcp")
-                    if c.status == psutil.CONN_LISTEN})
-    assert len(children) == 2 and ports == sorted([stack.port, int(agents_url.rsplit(":", 1)[1])])
+    by_port = {c.laddr.port: p for p in children for c in p.net_connections("tcp")
+               if c.status == psutil.CONN_LISTEN}
+    agent_port = int(agents_url.rsplit(":", 1)[1])
+    assert len(children) == 2 and sorted(by_port) == sorted([stack.port, agent_port])
+    parent_nice = psutil.Process(stack.processes[0].pid).nice()
+    assert by_port[agent_port].nice() == parent_nice
+    assert by_port[stack.port].nice() == min(19, parent_nice + 5)
+    # Every thread of the API's process runs at that priority (Linux sets it per thread,
+    # and the threads started after the process lowered its own inherit it).
+    assert {psutil.Process(t.id).nice() for t in by_port[stack.port].threads()} == {
+        min(19, parent_nice + 5)}
     headers = {"Authorization": f"Bearer {stack.token}"}
     with httpx.Client(base_url=stack.api_url, headers=headers, timeout=30) as api, \
             httpx.Client(base_url=agents_url, headers=headers, timeout=40) as fleet:
