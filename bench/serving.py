@@ -23,9 +23,11 @@ together):
 - ``kiln.torch.load()`` eager and inside ``torch.compile(fullgraph=True)``, on torch tensors,
   against ``kiln.runtime``; on the 8-wide engine also the compiled row against the eager one,
   beside ``torch.compile`` of ``x + 1`` against eager ``x + 1`` (what torch.compile's guards and
-  wrappers cost any compiled function) and of a custom op whose Python kernel only copies its
-  input, defined as ``kiln.torch`` defines an engine's, against the same op eager (what they
-  cost a graph that calls a Python custom op: the floor under the compiled row);
+  wrappers cost any compiled function), of ``x + 1`` through the ``eager`` backend (TorchDynamo's
+  frame evaluation and guards alone, with no compiler behind them), and of a custom op whose
+  Python kernel only copies its input, defined as ``kiln.torch`` defines an engine's, against
+  the same op eager (what they cost a graph that calls a Python custom op: the floor under the
+  compiled row);
 - an agent inference server (REST and gRPC, in a child process, as a deployment runs it)
   through unmodified tritonclient: HTTP JSON (MLP only), HTTP binary, gRPC, against
   ``kiln.runtime``; and the gRPC floor beside them: a bare ``GRPCInferenceService`` servicer in
@@ -33,7 +35,8 @@ together):
   with no checks, metrics or token. The row "gRPC, against the floor" is what Kiln's handler
   adds; the floor's own distance from ``kiln.runtime`` is tritonclient, grpcio on both sides
   and the engine answering in a server process (where its weights have left the caches
-  between requests).
+  between requests). Under it, the transport alone: the same servicer answering a response
+  built once, running nothing (MLP only).
 
 The in-process paths run in alternating blocks (``--block`` calls each, the order reversed every
 round) rather than call by call: onnxruntime's intra-op threads spin for a while after each run,
@@ -85,6 +88,10 @@ from schemas import CompileOptions
 WIDTH = 1024
 CLIENTS = 8
 FLOOR = "gRPC floor: bare servicer, same session (tritonclient)"
+#: The transport alone: a servicer that answers a response built once, running nothing.
+ECHO = "gRPC transport: servicer answering a kept response (tritonclient)"
+#: TorchDynamo alone: ``x + 1`` captured and run by the ``eager`` backend (no compiler).
+DYNAMO_ONLY = 'torch.compile(x + 1, backend="eager")'
 IN_PROCESS = "in-process (kiln.runtime, 8 threads)"
 GRPC_OVER_FLOOR = "gRPC (tritonclient), against the floor"
 COPY_OP = "custom op copying x (Python kernel), eager"
@@ -108,19 +115,25 @@ def serve(artifact: str, http_port: int, grpc_port: int) -> None:
     grpc = GrpcServer(models, app.state.metrics, "127.0.0.1", grpc_port, workers=CLIENTS)
     grpc.start()
     floor = _floor_server(models.get("m"), CLIENTS)
-    print(f"ready {floor.port}", flush=True)
+    echo = _floor_server(models.get("m"), CLIENTS, echo=True)
+    print(f"ready {floor.port} {echo.port}", flush=True)
     sys.stdin.read()
+    echo.stop(None)  # type: ignore[attr-defined]
     floor.stop(None)  # type: ignore[attr-defined]
     grpc.stop()
     http.stop()
 
 
-def _floor_server(model: object, workers: int) -> object:
+def _floor_server(model: object, workers: int, *, echo: bool = False) -> object:
     """The floor of the gRPC row: a bare ``GRPCInferenceService`` from the same generated code
     in the same kind of server (grpcio's thread pool), whose ``ModelInfer`` runs the engine's
     onnxruntime session on the raw input and answers its raw output, and nothing else: no
     checks, no metrics, no token. What tritonclient, grpcio and the engine cost together; the
-    agent's gRPC row minus this one is what Kiln's handler adds."""
+    agent's gRPC row minus this one is what Kiln's handler adds.
+
+    ``echo``: the servicer answers a response built once at start (the engine's output for
+    zeros) and runs nothing: what tritonclient and grpcio cost a request of this size on
+    their own, the floor under every gRPC row."""
     from concurrent import futures
 
     import grpc
@@ -132,8 +145,16 @@ def _floor_server(model: object, workers: int) -> object:
     spec = model.manifest.inputs[0]  # type: ignore[attr-defined]
     output = model.manifest.outputs[0].name  # type: ignore[attr-defined]
 
+    kept = pb.ModelInferResponse(model_name="m")
+    y = session.run(None, {spec.name: np.zeros([1 if isinstance(d, str) else d
+                                                for d in spec.shape], np.float32)})[0]
+    kept.outputs.add(name=output, datatype="FP32", shape=list(y.shape))
+    kept.raw_output_contents.append(y.tobytes())
+
     class Floor(pb_grpc.GRPCInferenceServiceServicer):
         def ModelInfer(self, request, context):
+            if echo:
+                return kept
             x = np.frombuffer(request.raw_input_contents[0], np.float32).reshape(
                 tuple(request.inputs[0].shape))
             y = session.run(None, {spec.name: x})[0]
@@ -159,9 +180,9 @@ class Server:
             [sys.executable, __file__, "--serve", str(artifact), str(self.http_port),
              str(self.grpc_port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
-        ready, floor_port = self.proc.stdout.readline().split()
+        ready, floor_port, echo_port = self.proc.stdout.readline().split()
         assert ready == "ready"
-        self.floor_port = int(floor_port)
+        self.floor_port, self.echo_port = int(floor_port), int(echo_port)
 
     def http_call(self, binary: bool) -> Callable[[], np.ndarray]:
         import tritonclient.http as httpclient
@@ -178,11 +199,12 @@ class Server:
             return client.infer("m", tensors, outputs=[out]).as_numpy(self.output)
         return call
 
-    def grpc_call(self, floor: bool = False) -> Callable[[], np.ndarray]:
-        """tritonclient's gRPC infer against the agent's server (``floor``: the bare one)."""
+    def grpc_call(self, floor: bool = False, echo: bool = False) -> Callable[[], np.ndarray]:
+        """tritonclient's gRPC infer against the agent's server (``floor``: the bare one;
+        ``echo``: the one that runs nothing)."""
         import tritonclient.grpc as grpcclient
 
-        port = self.floor_port if floor else self.grpc_port
+        port = self.echo_port if echo else self.floor_port if floor else self.grpc_port
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
 
         def call() -> np.ndarray:
@@ -304,6 +326,7 @@ def compile_floor(x: np.ndarray) -> dict[str, Callable[[], object]]:
     _LIBRARIES.append(library)
     op = torch.ops.kiln_bench.copy.default
     compiled = torch.compile(lambda t: t + 1, fullgraph=True)
+    dynamo_only = torch.compile(lambda t: t + 1, fullgraph=True, backend="eager")
     compiled_op = torch.compile(lambda t: op(t), fullgraph=True)
 
     def under(fn: Callable[..., object]) -> Callable[[], object]:
@@ -313,8 +336,10 @@ def compile_floor(x: np.ndarray) -> dict[str, Callable[[], object]]:
         return call
 
     under(compiled)()
+    under(dynamo_only)()
     under(compiled_op)()
     return {"eager x + 1": under(lambda t: t + 1), "torch.compile(x + 1)": under(compiled),
+            DYNAMO_ONLY: under(dynamo_only),
             COPY_OP: under(op), COPY_OP_COMPILED: under(compiled_op)}
 
 
@@ -445,7 +470,8 @@ def main(args: argparse.Namespace) -> None:
             remote = {"HTTP JSON (tritonclient)": server.http_call(False),
                       "HTTP binary (tritonclient)": server.http_call(True),
                       "gRPC (tritonclient)": server.grpc_call(),
-                      FLOOR: server.grpc_call(floor=True)}
+                      FLOOR: server.grpc_call(floor=True),
+                      ECHO: server.grpc_call(echo=True)}
             for name in ("gRPC (tritonclient)", FLOOR):
                 np.testing.assert_allclose(remote[name](), paths[
                     "bare onnxruntime session"]()[0], rtol=1e-5, atol=1e-5)
@@ -472,6 +498,7 @@ def main(args: argparse.Namespace) -> None:
         tiny_paths, tiny_peers = in_process_paths(tiny, tiny_feed, "y")
         tiny_paths.update(compile_floor(tiny_feed["x"]))
         tiny_peers["torch.compile(x + 1)"] = "eager x + 1"
+        tiny_peers[DYNAMO_ONLY] = "eager x + 1"
         tiny_peers[COPY_OP_COMPILED] = COPY_OP
         tiny_samples = blocks(tiny_paths, args.rounds, args.block * 5)
         compiled = "kiln.torch in torch.compile(fullgraph)"
