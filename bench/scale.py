@@ -97,17 +97,6 @@ class Phase:
         return self.ended - self.started
 
 
-async def loop_lag(fleet: Fleet, period: float = 0.01) -> None:
-    """Sample the load generator's own event-loop lag into the current phase: a loop busy with
-    its 10,000 agents' callbacks wakes a sleep late, and every request it times waits the same.
-    When it is near the heartbeat's latency, the table measures the generator, not the API."""
-    while not fleet.stop:
-        started = time.perf_counter()
-        await asyncio.sleep(period)
-        if fleet.phase is not None:
-            fleet.phase.loop_lag.append(time.perf_counter() - started - period)
-
-
 class Fleet:
     def __init__(self, url: str, token: str, names: list[str], *,
                  submit_url: str | None = None) -> None:
@@ -190,6 +179,17 @@ class Fleet:
                 else:
                     self._error("heartbeat not 204")
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
+
+    async def loop_lag(self, period: float = 0.01) -> None:
+        """Sample this load generator's own event-loop lag into the current phase: a loop busy
+        with its 10,000 agents' callbacks wakes a sleep late, and every request it times waits
+        the same. When it is near the heartbeat's latency, the table measures the generator,
+        not the API."""
+        while not self.stop:
+            started = time.perf_counter()
+            await asyncio.sleep(period)
+            if self.phase is not None:
+                self.phase.loop_lag.append(time.perf_counter() - started - period)
 
     async def submissions(self, http: aiohttp.ClientSession, model_id: str,
                           rate: float) -> None:
@@ -395,7 +395,7 @@ async def run(args, stack: EmbeddedStack, admin: sa.Engine, db: str,
                       f"({time.perf_counter() - ramp:.0f} s after the first)")
         tasks += [asyncio.create_task(fleet.heartbeats(short, i, HEARTBEAT_S * i / args.agents))
                   for i in range(args.agents)]
-        tasks.append(asyncio.create_task(loop_lag(fleet)))
+        tasks.append(asyncio.create_task(fleet.loop_lag()))
         await asyncio.sleep(2.0)
 
         phases = []

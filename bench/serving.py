@@ -145,23 +145,23 @@ def _floor_server(model: object, workers: int, *, echo: bool = False) -> object:
     spec = model.manifest.inputs[0]  # type: ignore[attr-defined]
     output = model.manifest.outputs[0].name  # type: ignore[attr-defined]
 
-    kept = pb.ModelInferResponse(model_name="m")
-    y = session.run(None, {spec.name: np.zeros([1 if isinstance(d, str) else d
-                                                for d in spec.shape], np.float32)})[0]
-    kept.outputs.add(name=output, datatype="FP32", shape=list(y.shape))
-    kept.raw_output_contents.append(y.tobytes())
+    def answer(y: np.ndarray, request: object | None = None) -> object:
+        response = pb.ModelInferResponse(model_name=getattr(request, "model_name", "m"),
+                                         id=getattr(request, "id", ""))
+        response.outputs.add(name=output, datatype="FP32", shape=list(y.shape))
+        response.raw_output_contents.append(y.tobytes())
+        return response
+
+    kept = answer(session.run(None, {spec.name: np.zeros(
+        [1 if isinstance(d, str) else d for d in spec.shape], np.float32)})[0]) if echo else None
 
     class Floor(pb_grpc.GRPCInferenceServiceServicer):
         def ModelInfer(self, request, context):
-            if echo:
+            if kept is not None:
                 return kept
             x = np.frombuffer(request.raw_input_contents[0], np.float32).reshape(
                 tuple(request.inputs[0].shape))
-            y = session.run(None, {spec.name: x})[0]
-            response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
-            response.outputs.add(name=output, datatype="FP32", shape=list(y.shape))
-            response.raw_output_contents.append(y.tobytes())
-            return response
+            return answer(session.run(None, {spec.name: x})[0], request)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(Floor(), server)
@@ -199,13 +199,12 @@ class Server:
             return client.infer("m", tensors, outputs=[out]).as_numpy(self.output)
         return call
 
-    def grpc_call(self, floor: bool = False, echo: bool = False) -> Callable[[], np.ndarray]:
-        """tritonclient's gRPC infer against the agent's server (``floor``: the bare one;
-        ``echo``: the one that runs nothing)."""
+    def grpc_call(self, port: int | None = None) -> Callable[[], np.ndarray]:
+        """tritonclient's gRPC infer against the agent's server, or the one on ``port``
+        (``floor_port``: the bare servicer; ``echo_port``: the one that runs nothing)."""
         import tritonclient.grpc as grpcclient
 
-        port = self.echo_port if echo else self.floor_port if floor else self.grpc_port
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port or self.grpc_port}")
 
         def call() -> np.ndarray:
             tensors = []
@@ -444,7 +443,7 @@ def image_transport(image: dict[str, np.ndarray], output: str, args: argparse.Na
         paths = {"kiln.runtime run()": lambda: loaded.run(image),
                  "HTTP binary (tritonclient)": server.http_call(True),
                  "gRPC (tritonclient)": server.grpc_call(),
-                 FLOOR: server.grpc_call(floor=True)}
+                 FLOOR: server.grpc_call(server.floor_port)}
         samples = blocks(paths, args.rounds, args.block)
     finally:
         server.close()
@@ -470,8 +469,8 @@ def main(args: argparse.Namespace) -> None:
             remote = {"HTTP JSON (tritonclient)": server.http_call(False),
                       "HTTP binary (tritonclient)": server.http_call(True),
                       "gRPC (tritonclient)": server.grpc_call(),
-                      FLOOR: server.grpc_call(floor=True),
-                      ECHO: server.grpc_call(echo=True)}
+                      FLOOR: server.grpc_call(server.floor_port),
+                      ECHO: server.grpc_call(server.echo_port)}
             for name in ("gRPC (tritonclient)", FLOOR):
                 np.testing.assert_allclose(remote[name](), paths[
                     "bare onnxruntime session"]()[0], rtol=1e-5, atol=1e-5)
@@ -526,7 +525,7 @@ def main(args: argparse.Namespace) -> None:
         try:
             remote = {"HTTP binary (tritonclient)": server.http_call(True),
                       "gRPC (tritonclient)": server.grpc_call(),
-                      FLOOR: server.grpc_call(floor=True)}
+                      FLOOR: server.grpc_call(server.floor_port)}
             # Short blocks and many rounds: a call takes tens of milliseconds, and the
             # machine's load moves less between two blocks of a round the shorter they are.
             per_block, rounds = 4, args.rounds * 3
@@ -543,7 +542,7 @@ def main(args: argparse.Namespace) -> None:
                 IN_PROCESS: lambda: lambda: loaded.run(image),
                 "gRPC (tritonclient, 8 clients)": server.grpc_call,
                 "gRPC floor: bare servicer (tritonclient, 8 clients)":
-                    lambda: server.grpc_call(floor=True),
+                    lambda: server.grpc_call(server.floor_port),
                 "HTTP binary (tritonclient, 8 clients)": lambda: server.http_call(True),
             }, args.throughput_rounds, block_s)
         finally:

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from services.api.app import create_app
 from services.api.revocations import STALE_GRACE_S
 from services.db import repo, session_scope
+from tests.runtime_agent.helpers import wait_for
 from tests.services.api.conftest import make_settings
 
 
@@ -50,10 +51,7 @@ def test_a_stale_list_answers_while_one_read_runs_in_the_background(tmp_path) ->
         with session_scope(factory) as session:  # revoked behind its back (another replica)
             repo.revoke_token(session, jti=kept)
         release.set()
-        deadline = time.monotonic() + 5
-        while revocations.reads == reads:
-            assert time.monotonic() < deadline, "the background read never finished"
-            time.sleep(0.01)
+        wait_for(lambda: revocations.reads != reads, 5, "the background read to finish")
         assert threads == ["kiln-revocations"] and revocations.reads == reads + 1
         assert revocations.known(kept) is True and revocations.known(revoked) is True
 
@@ -78,17 +76,12 @@ def test_a_failed_background_read_is_not_retried_by_every_request(tmp_path) -> N
             attempts.append(time.monotonic())
             raise ConnectionError("the database is down")
 
-        def wait_for_failure() -> None:
-            deadline = time.monotonic() + 5
-            while revocations._failed_at is None or revocations._lock.locked():
-                assert time.monotonic() < deadline, "the background read never ended"
-                time.sleep(0.005)
-
         revocations.session_factory = gone
         revocations._read_at = time.monotonic() - 0.6  # stale, within the grace
         jti = _jti()
         assert revocations.known(jti) is False
-        wait_for_failure()
+        wait_for(lambda: revocations._failed_at is not None and not revocations._lock.locked(),
+                 5, "the background read to fail")
         while time.monotonic() - revocations._failed_at < 0.4:  # requests keep coming
             assert revocations.known(jti) is False
             time.sleep(0.001)
@@ -96,8 +89,5 @@ def test_a_failed_background_read_is_not_retried_by_every_request(tmp_path) -> N
         time.sleep(0.5)  # refresh_s after the failure: the next request tries again
         revocations.session_factory = factory
         revocations.known(jti)
-        deadline = time.monotonic() + 5
-        while revocations._failed_at is not None:
-            assert time.monotonic() < deadline, "no read after the back-off"
-            time.sleep(0.005)
+        wait_for(lambda: revocations._failed_at is None, 5, "a read after the back-off")
         assert len(attempts) == 1 and revocations.known(jti) is False
