@@ -79,8 +79,12 @@ RECHECK_THREAD = "kiln-desired-recheck"
 #: The most agent profiles a process keeps (about 1 KB each); past it, all are read again.
 MAX_PROFILES = 200_000
 #: Long-polls that go on in one pass of the event loop (``LoopPace``); the rest wait for the
-#: next pass, after the requests that arrived meanwhile.
-TURNS_PER_PASS = 16
+#: next pass, after the requests that arrived meanwhile. Each answers whole in its pass
+#: (state, signature, response, and the renewal that follows), 1 to 2 ms on a busy 2-core
+#: machine: at 16 a pass, the heartbeats that arrived during a thousand-agent change waited
+#: 27 ms at the median and 113 to 149 ms at p99; at 4, 5 and 35 ms, and the thousand were
+#: answered sooner (``bench/scale.py``).
+TURNS_PER_PASS = 4
 
 
 @dataclass(eq=False)
@@ -231,9 +235,9 @@ class LoopPace:
     the loop; the others wait, in order, for the passes after it, and the I/O that arrived
     meanwhile (a heartbeat, a renewal) is served between them.
 
-    A change wakes a thousand long-polls at once. Each computes and signs its answer on the
-    loop (about 0.1 ms, no thread), so in one pass they would hold every heartbeat that
-    arrived meanwhile for 0.1 s; paced, a heartbeat waits behind ``per_pass`` of them."""
+    A change wakes a thousand long-polls at once. Each computes, signs and sends its answer
+    on the loop (no thread), so in one pass they would hold every heartbeat that arrived
+    meanwhile for a second or more; paced, a heartbeat waits behind ``per_pass`` of them."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, per_pass: int = TURNS_PER_PASS) -> None:
         self.loop = loop
