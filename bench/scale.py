@@ -590,8 +590,8 @@ def main() -> None:
             gc.collect()
             gc.freeze()
             gc.disable()
-            # On uvloop, as the API serves: on asyncio's own loop the generator took a third
-            # more of the cores that it shares with the API.
+            # On uvloop, as the API serves: on asyncio's own loop the generator took about a
+            # sixth more of the cores that it shares with the API.
             phases, fleet, change_s, costs = uvloop.run(
                 run(args, stack, admin, db, model_ids))
             gc.enable()
