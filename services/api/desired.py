@@ -81,9 +81,10 @@ MAX_PROFILES = 200_000
 #: Long-polls that go on in one pass of the event loop (``LoopPace``); the rest wait for the
 #: next pass, after the requests that arrived meanwhile. Each answers whole in its pass
 #: (state, signature, response, and the renewal that follows), 1 to 2 ms on a busy 2-core
-#: machine: at 16 a pass, the heartbeats that arrived during a thousand-agent change waited
-#: 27 ms at the median and 113 to 149 ms at p99; at 4, 5 and 35 ms, and the thousand were
-#: answered sooner (``bench/scale.py``).
+#: machine, so a heartbeat that arrives during a thousand-agent change waits behind up to
+#: ``TURNS_PER_PASS`` of them: at 16 those heartbeats' median was 15 to 36 ms, at 4 it was 5 to
+#: 18 ms (``bench/scale.py``, 2-core AMD EPYC at 80-88% busy). Their p99 is set by the CPU the
+#: process gets, not by the pace (35 to 264 ms at 4, 113 to 149 ms at 16).
 TURNS_PER_PASS = 4
 
 
