@@ -14,11 +14,12 @@ So the API:
 - collects the middle generation after every second young collection instead of every
   tenth (``MIDDLE``). Each renewed long-poll leaves a hundred or so objects (its coroutines,
   closures and exit stacks) that outlive the youngest generation and wait in the middle one:
-  with CPython's 10, a middle collection found 15,000 to 58,000 of them and held the
-  interpreter lock for 13 to 120 ms at a time, about four times a second (a collection of
-  5,000 took 1 ms: past that the walk misses the caches). Every object is still walked the
-  same number of times, in smaller passes: the longest pause fell from 99-123 ms to 46-83 ms,
-  and the heartbeats' p99 with no other load from 38-48 ms to 14-19 ms (``bench/scale.py``);
+  with CPython's 10, a middle collection (about four a second) found 15,600 of them on
+  average and up to 58,000. One of 5,000 to 10,000 objects took 1 ms; past 10,000, 13 to
+  113 ms, with the interpreter lock held throughout (most likely the walk outgrowing the
+  caches). Every object is still walked the same number of times, in smaller passes: the
+  longest pause of a run fell from 99-149 ms to 42-83 ms, and the heartbeats' p99 with no
+  other load from 38-48 ms to 13-19 ms (``bench/scale.py``, 2-core AMD EPYC);
 - takes the full collections off the automatic path and runs one every
   ``KILN_API_FULL_GC_S`` seconds (default 300) in a thread of its own: cyclic garbage that
   reached the oldest generation waits at most that long to be freed, and a stall comes once
