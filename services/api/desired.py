@@ -83,7 +83,7 @@ MAX_PROFILES = 200_000
 #: (state, signature, response, and the renewal that follows), 1 to 2 ms on a busy 2-core
 #: machine, so a heartbeat that arrives during a thousand-agent change waits behind up to
 #: ``TURNS_PER_PASS`` of them: at 16 those heartbeats' median was 15 to 36 ms, at 4 it was 5 to
-#: 18 ms (``bench/scale.py``, 2-core AMD EPYC at 80-88% busy). Their p99 is set by the CPU the
+#: 18 ms (``bench/scale.py``, 2-core AMD EPYC at 78-88% busy). Their p99 is set by the CPU the
 #: process gets, not by the pace (35 to 264 ms at 4, 113 to 149 ms at 16).
 TURNS_PER_PASS = 4
 
