@@ -83,8 +83,8 @@ MAX_PROFILES = 200_000
 #: (state, signature, and the response out through the middleware), 1 to 2 ms on a busy 2-core
 #: machine, so a heartbeat that arrives during a thousand-agent change waits behind up to
 #: ``TURNS_PER_PASS`` of them: at 16 those heartbeats' median was 15 to 36 ms, at 4 it was 5 to
-#: 18 ms (``bench/scale.py``, 2-core AMD EPYC at 78-88% busy). Their p99 is set by the CPU the
-#: process gets, not by the pace (35 to 264 ms at 4, 113 to 149 ms at 16).
+#: 31 ms (``bench/scale.py``, 2-core AMD EPYC at 78-88% busy). Their p99 is set by the CPU the
+#: process gets, not by the pace (35 ms to 1.8 s at 4, 113 to 149 ms at 16).
 TURNS_PER_PASS = 4
 
 
