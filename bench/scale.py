@@ -18,10 +18,10 @@ measured) on one hardware key, labelled ``g=0..99`` and ``ring=0..9``. Ten deplo
 
 The load generator (aiohttp on one uvloop event loop) runs in this process, the API in its
 own; on a small machine they share its cores, which the tables say (CPU of each), and its own
-event loop's lag (how late a 10 ms sleep wakes): every latency it takes includes that lag. Database
-time is PostgreSQL's own account of it (``pg_stat_database.active_time``, all statements of the
-API's database in the phase), divided by the heartbeats of the phase: an upper bound of a
-heartbeat's share, since long-poll renewals and submissions are in it too.
+event loop's lag (how late a 10 ms sleep wakes): every latency it takes includes that lag.
+Database time is PostgreSQL's own account of it (``pg_stat_database.active_time``, all
+statements of the API's database in the phase), divided by the heartbeats of the phase: an
+upper bound of a heartbeat's share, since long-poll renewals and submissions are in it too.
 
     .venv/bin/python bench/scale.py [--agents 10000] [--submit-rate 200] [--phase-s 30]
                                     [--api-processes 2] [--agent-processes 1] [--api-nice 5]

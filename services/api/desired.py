@@ -80,11 +80,9 @@ RECHECK_THREAD = "kiln-desired-recheck"
 MAX_PROFILES = 200_000
 #: Long-polls that go on in one pass of the event loop (``LoopPace``); the rest wait for the
 #: next pass, after the requests that arrived meanwhile. Each answers whole in its pass
-#: (state, signature, and the response out through the middleware), 1 to 2 ms on a busy 2-core
-#: machine, so a heartbeat that arrives during a thousand-agent change waits behind up to
-#: ``TURNS_PER_PASS`` of them: at 16 those heartbeats' median was 15 to 36 ms, at 4 it was 5 to
-#: 31 ms (``bench/scale.py``, 2-core AMD EPYC at 78-88% busy). Their p99 is set by the CPU the
-#: process gets, not by the pace (35 ms to 1.8 s at 4, 113 to 149 ms at 16).
+#: (state, signature, and the response out through the middleware: 1 to 2 ms under load), so
+#: a heartbeat that arrives during a thousand-agent change waits behind up to this many of
+#: them. Measured at 4 and 16: docs/architecture.md, "A thousand woken at once".
 TURNS_PER_PASS = 4
 
 
