@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from fastapi import APIRouter, Request, status
+from fastapi import APIRouter, Request, Response, status
 
 from schemas import CompileJob, CompileJobCreate, JobStatus
 from schemas.errors import ErrorBody, InvalidOptions
@@ -42,7 +42,7 @@ router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"])
 def create_compile_jobs(
     request: CompileJobCreate, session: SessionDep, queue: QueueDep, store: StoreDep,
     _: AdminPrincipal, http: Request,
-) -> CompileJobBatch:
+) -> Response:
     model = repo.lookup_model(session, request.model_id)  # 404 before any write
     request = request.model_copy(update={"model_id": model.id})
     repo.check_compile_datasets(session, model=model, options=request.options)
@@ -98,11 +98,16 @@ def create_compile_jobs(
     queued = {j.id for j in to_enqueue}
     batch = CompileJobBatch(jobs=[repo.get_job(session, job_id=j.id) if j.id in queued else j
                                   for j in jobs])
-    # Hand the connection back before the answer waits for a thread to be serialized in:
-    # held across that wait, a burst of submissions would hold every pooled connection
-    # while the threads that could serialize them wait for one.
+    # Hand the connection back now, not when the request's dependencies are torn down after
+    # the answer: held until then, a burst of submissions would hold every pooled connection.
     session.commit()
-    return batch
+    # Serialized here, in the route's thread: the model is the one ``response_model`` names,
+    # built just above. Returned as a model, FastAPI would validate it again, in a second hop
+    # to the thread pool (this is a ``def`` route): a median 0.1 ms of the API's CPU per
+    # cached answer, of about 2.3 ms (ten paired rounds of 300 in one process, nine of them
+    # in this direction).
+    return Response(batch.model_dump_json(), status_code=status.HTTP_202_ACCEPTED,
+                    media_type="application/json")
 
 
 @router.get("", response_model=list[CompileJob])
