@@ -587,23 +587,36 @@ def _unshare(report: SandboxReport, request: Mapping[str, Any]) -> None:
         Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
         Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
     if mounts:
-        report.private_tmp = _private_tmp(libc, request)
+        refused = _private_tmp(libc, request)
+        report.private_tmp = refused is None
+        if refused is not None:
+            report.not_enforced.append(
+                f"tmp: the child keeps the host's /tmp, which Landlock closes to it, because "
+                f"{refused}: a library that writes only to /tmp (torch 2.11's AOTInductor "
+                f"package loader) fails in it")
 
 
-def _private_tmp(libc: ctypes.CDLL, request: Mapping[str, Any]) -> bool:
+def _private_tmp(libc: ctypes.CDLL, request: Mapping[str, Any]) -> str | None:
     """Bind the scratch folder's ``tmp/`` over ``/tmp`` in the child's mount namespace: a
     library that insists on ``/tmp`` (torch 2.11's AOTInductor package loader makes its
     folder there whatever ``TMPDIR`` says) writes into the scratch folder, and the child
     never sees the host's ``/tmp``. Not where anything the child needs lies under ``/tmp``
-    (a scratch folder or an upload there would be hidden by it)."""
-    needed = [request["scratch"], *request["read_roots"], *request["list_roots"],
-              *request["read_files"]]
-    if any(Path(path).resolve().is_relative_to("/tmp") for path in needed):
-        return False
+    (a scratch folder, an import path or an upload there would be hidden by it).
+
+    ``None`` when bound; else why not, in words that stay the same from one job to the next
+    (the line is logged once per process)."""
+    if Path(request["scratch"]).resolve().is_relative_to("/tmp"):
+        return "its scratch folder lies under /tmp (the worker's KILN_HOME or TMPDIR)"
+    needed = [*request["read_roots"], *request["list_roots"], *request["read_files"]]
+    hidden = [path for path in needed if Path(path).resolve().is_relative_to("/tmp")]
+    if hidden:
+        return f"it reads {', '.join(sorted(hidden))}, which a /tmp of its own would hide"
     private = Path(request["scratch"], PRIVATE_TMP)
     private.mkdir(exist_ok=True)
-    return libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) == 0 and libc.mount(
-        str(private).encode(), b"/tmp", None, _MS_BIND | _MS_REC, None) == 0
+    if libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0 or libc.mount(
+            str(private).encode(), b"/tmp", None, _MS_BIND | _MS_REC, None) != 0:
+        return f"binding its own over it failed ({os.strerror(ctypes.get_errno())})"
+    return None
 
 
 def _landlock(request: Mapping[str, Any], report: SandboxReport,

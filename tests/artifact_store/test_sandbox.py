@@ -148,19 +148,25 @@ def outside_tmp() -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_the_child_has_a_private_tmp_inside_its_scratch_folder(outside_tmp: Path,
-                                                                 tmp_path: Path):
+def test_the_child_has_a_private_tmp_inside_its_scratch_folder(
+        outside_tmp: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture):
     """A library that writes only to /tmp (torch 2.11's AOTInductor package loader) works in
     the child, which sees there only its scratch folder's tmp/: nothing of the host's /tmp,
     and nothing it writes lands there. A scratch folder under /tmp keeps the host's /tmp
-    (binding over it would hide the scratch folder), where Landlock refuses the write."""
+    (binding over it would hide the scratch folder), where Landlock refuses the write, and
+    the log says why (on an H200, an import path under /tmp made an AOTInductor build fail
+    with only torch's "Failed to create temporary directory: Permission denied")."""
+    caplog.set_level(logging.DEBUG, logger="artifact_store.sandbox")
     got = run("use_tmp", {}, outside_tmp)
     name = Path(got["folder"]).name
     assert got["read"] == "inside" and got["listing"] == [name]
     assert (outside_tmp / "tmp" / name / "x").read_text() == "inside"
     assert not Path("/tmp", name).exists()
+    assert not [r for r in caplog.records if "keeps the host's /tmp" in r.getMessage()]
     with pytest.raises(KilnError, match="PermissionError"):
         run("use_tmp", {}, tmp_path)
+    said = [r.getMessage() for r in caplog.records if "keeps the host's /tmp" in r.getMessage()]
+    assert said and "its scratch folder lies under /tmp" in said[0], said
 
 
 def test_spinning_past_the_cpu_limit_is_resource_limit_naming_the_stage(tmp_path: Path):
