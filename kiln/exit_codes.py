@@ -26,6 +26,7 @@ EXIT_CODES: dict[ErrorCode, int] = {
     ErrorCode.AMBIGUOUS_ID: 16,
     ErrorCode.UNAUTHENTICATED: 17,
     ErrorCode.FORBIDDEN: 18,
+    ErrorCode.PAYLOAD_TOO_LARGE: 19,
     ErrorCode.MODEL_CHECK_FAILED: 20,
     ErrorCode.UNSUPPORTED_OPSET: 21,
     ErrorCode.BUILD_FAILED: 22,

@@ -3,7 +3,7 @@ checked.
 
 - JSON: a size cap, then a nesting-depth limit measured on the raw bytes (string contents
   skipped) before ``json.loads`` builds a single object; a body too deep, too large or not
-  JSON is an ``InvalidRequest`` / ``ModelTooLarge``, never a ``RecursionError``.
+  JSON is an ``InvalidRequest`` / ``PayloadTooLarge``, never a ``RecursionError``.
 - npz: every member's ``.npy`` header is read (``numpy.lib.format``, a few hundred bytes
   each, no data) and its dtype and shape checked against the model's signature and the byte
   cap before any array is loaded.
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from runtime_agent.samples import numpy_dtype
-from schemas.errors import InvalidRequest, KilnError, ModelTooLarge
+from schemas.errors import InvalidRequest, KilnError, PayloadTooLarge
 from schemas.manifest import TensorSpec
 
 #: Deepest JSON nesting an inference request may have: the envelope takes three or four
@@ -55,7 +55,7 @@ def load_json(body: bytes | memoryview, *, max_bytes: int, what: str,
               ) -> Any:
     """``body`` parsed, once its size and nesting depth are within bounds."""
     if len(body) > max_bytes:
-        raise ModelTooLarge(f"{what} is {len(body)} bytes of JSON, over the limit of "
+        raise PayloadTooLarge(f"{what} is {len(body)} bytes of JSON, over the limit of "
                             f"{max_bytes} ({limit_name}); send large tensors as npz or with "
                             f"the binary-data extension", limit_bytes=max_bytes)
     raw = bytes(body)
@@ -121,7 +121,7 @@ def check_npz(body: bytes, specs: Sequence[TensorSpec], max_bytes: int) -> None:
             size = math.prod(shape) * dtype.itemsize
             total += size
             if total > max_bytes:
-                raise ModelTooLarge(
+                raise PayloadTooLarge(
                     f"the npz's arrays unpack to {total} bytes as their headers declare (array "
                     f"{name!r}: {list(shape)} of {dtype}), over the limit of {max_bytes} "
                     f"(KILN_AGENT_MAX_BODY_BYTES); nothing was allocated",

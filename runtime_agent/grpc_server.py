@@ -37,6 +37,7 @@ _STATUS = {
     ErrorCode.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     ErrorCode.MODEL_TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.PAYLOAD_TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorCode.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
 }
 #: Protocol datatype → the typed field of ``InferTensorContents`` that carries it (FP16 and

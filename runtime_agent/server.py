@@ -66,7 +66,7 @@ from schemas.errors import (
     ErrorCode,
     InvalidRequest,
     KilnError,
-    ModelTooLarge,
+    PayloadTooLarge,
 )
 from schemas.manifest import TensorSpec
 
@@ -78,7 +78,7 @@ ARTIFACT_HEADER = "X-Kiln-Artifact-Id"
 #: Largest JSON an inference request may carry (``KILN_AGENT_MAX_JSON_BYTES``' default).
 DEFAULT_MAX_JSON_BYTES = 16 * 1024 * 1024
 _HTTP_CODES = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.INVALID_REQUEST,
-               413: ErrorCode.MODEL_TOO_LARGE}
+               413: ErrorCode.PAYLOAD_TOO_LARGE}
 #: Health probes: they need no token.
 _PROBES = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 
@@ -141,7 +141,7 @@ def decode_npz(body: bytes, max_bytes: int,
     with archive:
         unpacked = sum(info.file_size for info in archive.zip.infolist())
         if unpacked > max_bytes:
-            raise ModelTooLarge(
+            raise PayloadTooLarge(
                 f"the npz archive unpacks to {unpacked} bytes, over the limit of {max_bytes}",
                 limit_bytes=max_bytes,
             )
@@ -182,7 +182,7 @@ def _error_response(status: int, body: ErrorBody,
 async def _read_body(request: Request, max_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise ModelTooLarge(
+        raise PayloadTooLarge(
             f"the request body of {declared} bytes is over the limit of {max_bytes} bytes "
             f"(KILN_AGENT_MAX_BODY_BYTES)", limit_bytes=max_bytes,
         )
@@ -190,7 +190,7 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
-            raise ModelTooLarge(
+            raise PayloadTooLarge(
                 f"the request body is over the limit of {max_bytes} bytes "
                 f"(KILN_AGENT_MAX_BODY_BYTES)", limit_bytes=max_bytes,
             )

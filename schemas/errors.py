@@ -17,6 +17,9 @@ class ErrorCode(StrEnum):
     INVALID_REQUEST = "invalid_request"
     INVALID_MODEL = "invalid_model"
     MODEL_TOO_LARGE = "model_too_large"
+    #: Any other body over its limit: a dataset, a plugin bundle, an engine blob, a JSON
+    #: request, an inference request.
+    PAYLOAD_TOO_LARGE = "payload_too_large"
     INVALID_OPTIONS = "invalid_options"
     NOT_FOUND = "not_found"
     CONFLICT = "conflict"
@@ -73,6 +76,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
     ErrorCode.INVALID_MODEL: 422,
     ErrorCode.MODEL_TOO_LARGE: 413,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.INVALID_OPTIONS: 422,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.CONFLICT: 409,
@@ -151,7 +155,15 @@ class InvalidModel(KilnError):
     code = ErrorCode.INVALID_MODEL
 
 
-class ModelTooLarge(KilnError):
+class PayloadTooLarge(KilnError):
+    """A body over its limit (the details name the limit)."""
+
+    code = ErrorCode.PAYLOAD_TOO_LARGE
+
+
+class ModelTooLarge(PayloadTooLarge):
+    """A model over its limit: the upload, or what its archive unpacks to."""
+
     code = ErrorCode.MODEL_TOO_LARGE
 
 

@@ -38,7 +38,7 @@ _HTTP_CODES = {
     403: ErrorCode.FORBIDDEN,
     404: ErrorCode.NOT_FOUND,
     409: ErrorCode.CONFLICT,
-    413: ErrorCode.MODEL_TOO_LARGE,
+    413: ErrorCode.PAYLOAD_TOO_LARGE,
 }
 
 
@@ -72,7 +72,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        code = _HTTP_CODES.get(exc.status_code, ErrorCode.INVALID_REQUEST)
+        code = getattr(exc, "code", None)  # the front door's BodyTooLarge names its own
+        if not isinstance(code, ErrorCode):
+            code = _HTTP_CODES.get(exc.status_code, ErrorCode.INVALID_REQUEST)
         return error_response(exc.status_code, ErrorBody(code=code, message=str(exc.detail)))
 
     async def _database_unavailable(request: Request, exc: Exception):

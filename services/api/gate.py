@@ -10,6 +10,8 @@ For every request it finds the route, then, before a single body byte is receive
    a body without one (chunked) is counted as it streams and refused the moment it passes the
    limit. JSON routes get ``KILN_MAX_JSON_BYTES``; an upload route names its own limit with
    ``openapi_extra={BODY_LIMIT: "<settings field>"}`` (it shows in the OpenAPI document).
+   The refusal's code is ``payload_too_large``, or the one the route names with
+   ``BODY_ERROR`` (the model upload: ``model_too_large``).
 
 The principal goes into the request's state, so the route's dependencies do not decode the
 token again; they still check the role (the route keeps its own guard).
@@ -57,6 +59,9 @@ MATCH_CACHE = 65_536
 
 #: ``openapi_extra`` key of an upload route: the settings field holding its body limit.
 BODY_LIMIT = "x-kiln-body-limit"
+#: ``openapi_extra`` key of a route whose body over its limit is refused with another code
+#: than ``payload_too_large`` (an ``ErrorCode`` value).
+BODY_ERROR = "x-kiln-body-error"
 #: ``openapi_extra`` key naming the path parameter of the agent a route acts for: an agent
 #: token speaks only for the agent it names, checked before the body is read.
 AGENT_PARAM = "x-kiln-agent-param"
@@ -75,6 +80,9 @@ class BodyTooLarge(HTTPException):
 
     def __init__(self, seen: int, policy: _Policy) -> None:
         super().__init__(413, policy.too_large(seen))
+        #: The route's code for the refusal (read by the API's handler of HTTP errors, which
+        #: answers when the route's body parsing passes this on).
+        self.code = policy.too_large_code
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,8 @@ class _Policy:
     setting: int
     #: Bytes allowed on top of it (an upload's multipart framing).
     slack: int = 0
+    #: The refusal's code.
+    too_large_code: ErrorCode = ErrorCode.PAYLOAD_TOO_LARGE
     #: The path parameter naming the agent the route acts for (``AGENT_PARAM`` in its
     #: ``openapi_extra``): an agent token for another agent is refused before the body.
     agent_param: str | None = None
@@ -199,6 +209,8 @@ class FrontDoor:
                              setting=int(getattr(self.settings, field)), slack=MULTIPART_SLACK)
         if (agent_param := extra.get(AGENT_PARAM)) is not None:
             policy = dataclasses.replace(policy, agent_param=agent_param)
+        if (code := extra.get(BODY_ERROR)) is not None:
+            policy = dataclasses.replace(policy, too_large_code=ErrorCode(code))
         return policy
 
     def policy(self, scope: Scope) -> _Policy:
@@ -265,7 +277,7 @@ class FrontDoor:
                 return
             if int(declared) > policy.limit:
                 await _reply(send, 413, ErrorBody(
-                    code=ErrorCode.MODEL_TOO_LARGE, message=policy.too_large(int(declared)),
+                    code=policy.too_large_code, message=policy.too_large(int(declared)),
                     details={"limit_bytes": policy.setting, "limit": policy.limit_name}))
                 return
 
@@ -291,7 +303,7 @@ class FrontDoor:
             await self.app(scope, counted_receive, tracking_send)
         except BodyTooLarge as exc:
             if not started:
-                await _reply(send, 413, ErrorBody(code=ErrorCode.MODEL_TOO_LARGE,
+                await _reply(send, 413, ErrorBody(code=policy.too_large_code,
                                                   message=str(exc.detail),
                                                   details={"limit_bytes": policy.setting,
                                                            "limit": policy.limit_name}))

@@ -15,7 +15,7 @@ from fastapi.responses import RedirectResponse, StreamingResponse
 
 from artifact_store import ArtifactStore
 from schemas import BlobRef
-from schemas.errors import InvalidRequest, KilnError, ModelTooLarge
+from schemas.errors import InvalidRequest, KilnError, PayloadTooLarge
 
 _CHUNK = 1 << 20
 
@@ -56,9 +56,10 @@ def blob_response(store: ArtifactStore, ref: BlobRef, range_header: str | None, 
 async def received_upload(
     file: UploadFile, *, max_bytes: int, what: str,
     empty_error: type[KilnError] = InvalidRequest, limit_name: str = "KILN_MAX_UPLOAD_BYTES",
+    too_large: type[PayloadTooLarge] = PayloadTooLarge,
 ) -> AsyncIterator[tuple[Path, int]]:
     """The upload ``file`` written to a temporary file: (path, size), removed on exit.
-    Over ``max_bytes`` (the setting ``limit_name``) raises ``ModelTooLarge``; an empty upload
+    Over ``max_bytes`` (the setting ``limit_name``) raises ``too_large``; an empty upload
     raises ``empty_error``."""
     with tempfile.TemporaryDirectory(prefix="kiln-upload-") as tmp:
         path = Path(tmp) / "upload"
@@ -67,7 +68,7 @@ async def received_upload(
             while chunk := await file.read(_CHUNK):
                 size += len(chunk)
                 if size > max_bytes:
-                    raise ModelTooLarge(f"{what} is over the limit of {max_bytes} bytes "
+                    raise too_large(f"{what} is over the limit of {max_bytes} bytes "
                                         f"({limit_name})", limit_bytes=max_bytes)
                 out.write(chunk)
         if size == 0:

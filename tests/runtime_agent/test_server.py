@@ -125,8 +125,8 @@ BAD = [
     ("npz wrong dtype", NPZ, npz(x=X.astype(np.float64)), 400, "invalid_request",
      "expected dtype float32"),
     ("npz extra array", NPZ, npz(x=X, mask=X), 400, "invalid_request", r"unexpected \['mask'\]"),
-    ("zip bomb", NPZ, _bomb(), 413, "model_too_large", "unpack to 134217728 bytes"),
-    ("body too large", J, {"inputs": {"x": [[0.5] * 64] * 20_000}}, 413, "model_too_large",
+    ("zip bomb", NPZ, _bomb(), 413, "payload_too_large", "unpack to 134217728 bytes"),
+    ("body too large", J, {"inputs": {"x": [[0.5] * 64] * 20_000}}, 413, "payload_too_large",
      f"over the limit of {LIMIT} bytes"),
     ("unsupported type", "text/csv", b"1,2,3", 400, "invalid_request",
      "unsupported Content-Type 'text/csv'"),
@@ -136,7 +136,7 @@ BAD = [
     ("unbalanced nesting", J, b"[" * 100_000, 400, "invalid_request", "nests 100000 levels"),
     ("brackets in strings do not count", J, {"inputs": {"x": [["[" * 500] * 64]}}, 400,
      "invalid_request", "expected numbers; given strings"),
-    ("npz header claiming 4 TiB", NPZ, _lying_npz((1 << 34, 64)), 413, "model_too_large",
+    ("npz header claiming 4 TiB", NPZ, _lying_npz((1 << 34, 64)), 413, "payload_too_large",
      r"unpack to 4398046511104 bytes as their headers declare .*nothing was allocated"),
     ("npz header claiming the wrong shape", NPZ, _lying_npz((4, 63)), 400, "invalid_request",
      r"expected shape \['N', 64\] .*the npz declares \[4, 63\]"),
@@ -228,6 +228,7 @@ def test_a_streamed_body_over_the_limit_is_413(client) -> None:
                            headers={"Content-Type": "application/json"})
     assert response.status_code == 413
     assert response.json()["details"] == {"limit_bytes": LIMIT}
+    assert response.json()["code"] == "payload_too_large"
 
 
 def test_a_token_guards_every_route_but_healthz(table) -> None:

@@ -21,7 +21,7 @@ from fastapi import APIRouter, File, Form, Request, Response, UploadFile, status
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas import CompileJob, CompileOptions, JobStatus, ModelInfo
-from schemas.errors import ErrorBody, InvalidModel
+from schemas.errors import ErrorBody, ErrorCode, InvalidModel, ModelTooLarge
 from services.api.deps import (
     AdminPrincipal,
     Limit,
@@ -33,7 +33,7 @@ from services.api.deps import (
     StoreDep,
 )
 from services.api.enqueue import enqueue_jobs
-from services.api.gate import BODY_LIMIT
+from services.api.gate import BODY_ERROR, BODY_LIMIT
 from services.api.inspection import check_model_upload
 from services.api.threads import run_slow
 from services.api.transfers import received_upload
@@ -48,7 +48,7 @@ router = APIRouter(prefix="/v1/models", tags=["models"])
     response_model=ModelInfo,
     status_code=status.HTTP_201_CREATED,
     responses={200: {"model": ModelInfo, "description": "the same model was uploaded before"}},
-    openapi_extra={BODY_LIMIT: "max_upload_bytes"},
+    openapi_extra={BODY_LIMIT: "max_upload_bytes", BODY_ERROR: ErrorCode.MODEL_TOO_LARGE.value},
 )
 async def upload_model(
     response: Response,
@@ -73,7 +73,7 @@ async def upload_model(
         for upload in file:
             path, size = await stack.enter_async_context(received_upload(
                 upload, max_bytes=remaining, what="the model's files",
-                empty_error=InvalidModel))
+                empty_error=InvalidModel, too_large=ModelTooLarge))
             remaining -= size
             received.append((upload.filename, path))
         blob = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kiln-model-")))

@@ -8,6 +8,7 @@ that records whether the body was read.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import tempfile
 import time
@@ -337,18 +338,34 @@ def test_a_json_route_refuses_a_body_over_its_limit_from_the_header(app):
     limit = app.state.settings.max_json_bytes
     status, body, read = call(app, "POST", "/v1/compile-jobs", bearer(), b"{" + b" " * limit)
     assert status == 413 and "KILN_MAX_JSON_BYTES" in body["message"]
+    assert body["code"] == "payload_too_large"
     assert not read
 
 
-def test_a_chunked_body_is_counted_as_it_streams(app):
+_BOUNDARY = b"kiln-test-boundary"
+
+
+@pytest.mark.parametrize(("path", "code"), [("/v1/deployments", "payload_too_large"),
+                                            ("/v1/models", "model_too_large"),
+                                            ("/v1/plugins", "payload_too_large")])
+def test_a_chunked_body_is_counted_as_it_streams(app, path: str, code: str):
     """No Content-Length: the bytes are counted, and the request fails once past the limit
-    (the route never sees the rest)."""
-    limit = app.state.settings.max_json_bytes
-    chunks = [b"[" + b"0," * (64 * 1024)] * (limit // (128 * 1024) + 4)
+    (the route never sees the rest). The code says what was too large: a model only on the
+    model upload route."""
+    settings = app.state.settings
+    if path == "/v1/deployments":
+        limit, content_type = settings.max_json_bytes, b"application/json"
+        chunks = [b"[" + b"0," * (64 * 1024)] * (limit // (128 * 1024) + 4)
+    else:  # a multipart upload whose one file streams past the route's limit
+        limit = settings.max_upload_bytes
+        content_type = b"multipart/form-data; boundary=" + _BOUNDARY
+        head = (b"--" + _BOUNDARY + b'\r\nContent-Disposition: form-data; name="file"; '
+                b'filename="upload.bin"\r\nContent-Type: application/octet-stream\r\n\r\n')
+        chunks = [head] + [b"\0" * (128 * 1024)] * (limit // (128 * 1024) + 4)
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/deployments",
-             "raw_path": b"/v1/deployments", "root_path": "", "query_string": b"",
-             "headers": [(b"host", b"t"), (b"content-type", b"application/json"),
+             "method": "POST", "scheme": "http", "path": path,
+             "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": [(b"host", b"t"), (b"content-type", content_type),
                          (b"transfer-encoding", b"chunked"),
                          (b"authorization", bearer().encode())],
              "client": ("127.0.0.1", 1), "server": ("t", 80)}
@@ -368,6 +385,9 @@ def test_a_chunked_body_is_counted_as_it_streams(app):
     (start,) = [m for m in sent if m["type"] == "http.response.start"]
     assert start["status"] == 413
     assert given < len(chunks)  # it stopped reading
+    answer = json.loads(b"".join(m.get("body", b"") for m in sent
+                                 if m["type"] == "http.response.body"))
+    assert answer["code"] == code, answer
 
 
 def test_a_token_revoked_through_another_replica_is_refused_within_the_refresh(tmp_path):

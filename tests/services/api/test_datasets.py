@@ -89,6 +89,7 @@ def test_over_the_configured_limit_is_refused(small_limit_api):
     oversized = push(small_limit_api, npz(x=np.zeros((2, 10_000), np.float32)))
     assert oversized.status_code == 413, oversized.text
     assert "KILN_MAX_DATASET_BYTES" in oversized.json()["message"]
+    assert oversized.json()["code"] == "payload_too_large"  # not a model
     assert str(64 * 1024) in oversized.json()["message"]
     bomb = push(small_limit_api, npz(True, x=np.zeros((2, 100_000), np.float32)))
     assert bomb.status_code == 400, bomb.text
