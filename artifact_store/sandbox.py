@@ -427,8 +427,11 @@ class _Exchange:
         except TypeError:
             return
         for what in self.report.not_enforced:
-            # Once per process at warning level (a kernel does not change between runs).
-            level = logging.DEBUG if what in _WARNED else logging.WARNING
+            # Once per process at warning level (a kernel does not change between runs). A
+            # /tmp shared with the host is no gap (Landlock closes it): said at info level,
+            # for whoever wonders why a library that writes there failed.
+            level = (logging.DEBUG if what in _WARNED else
+                     logging.INFO if what.startswith(TMP_NOTE) else logging.WARNING)
             _WARNED.add(what)
             logger.log(level, "sandbox (%s): %s", self.stage, what)
 
@@ -509,6 +512,8 @@ _CLONE_NEWNS = 0x00020000
 _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
 #: The child's own /tmp, inside its scratch folder (bound over /tmp in its mount namespace).
 PRIVATE_TMP = "tmp"
+#: How the report's line begins when the child keeps the host's /tmp (logged at info level).
+TMP_NOTE = "tmp:"
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_PDEATHSIG = 1
 # Landlock system calls (the same numbers on every architecture).
@@ -591,9 +596,9 @@ def _unshare(report: SandboxReport, request: Mapping[str, Any]) -> None:
         report.private_tmp = refused is None
         if refused is not None:
             report.not_enforced.append(
-                f"tmp: the child keeps the host's /tmp, which Landlock closes to it, because "
-                f"{refused}: a library that writes only to /tmp (torch 2.11's AOTInductor "
-                f"package loader) fails in it")
+                f"{TMP_NOTE} the child keeps the host's /tmp, which Landlock closes to it, "
+                f"because {refused}: a library that writes only to /tmp (torch 2.11's "
+                f"AOTInductor package loader) fails in it")
 
 
 def _private_tmp(libc: ctypes.CDLL, request: Mapping[str, Any]) -> str | None:
@@ -606,7 +611,7 @@ def _private_tmp(libc: ctypes.CDLL, request: Mapping[str, Any]) -> str | None:
     ``None`` when bound; else why not, in words that stay the same from one job to the next
     (the line is logged once per process)."""
     if Path(request["scratch"]).resolve().is_relative_to("/tmp"):
-        return "its scratch folder lies under /tmp (the worker's KILN_HOME or TMPDIR)"
+        return "its scratch folder lies under /tmp (a worker's lies under KILN_HOME)"
     needed = [*request["read_roots"], *request["list_roots"], *request["read_files"]]
     hidden = [path for path in needed if Path(path).resolve().is_relative_to("/tmp")]
     if hidden:

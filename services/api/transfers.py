@@ -69,7 +69,7 @@ async def received_upload(
                 size += len(chunk)
                 if size > max_bytes:
                     raise too_large(f"{what} is over the limit of {max_bytes} bytes "
-                                        f"({limit_name})", limit_bytes=max_bytes)
+                                    f"({limit_name})", limit_bytes=max_bytes)
                 out.write(chunk)
         if size == 0:
             raise empty_error(f"the upload is empty; expected {what}")

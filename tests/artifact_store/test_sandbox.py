@@ -165,8 +165,11 @@ def test_the_child_has_a_private_tmp_inside_its_scratch_folder(
     assert not [r for r in caplog.records if "keeps the host's /tmp" in r.getMessage()]
     with pytest.raises(KilnError, match="PermissionError"):
         run("use_tmp", {}, tmp_path)
-    said = [r.getMessage() for r in caplog.records if "keeps the host's /tmp" in r.getMessage()]
-    assert said and "its scratch folder lies under /tmp" in said[0], said
+    said = [r for r in caplog.records if "keeps the host's /tmp" in r.getMessage()]
+    assert said and "its scratch folder lies under /tmp" in said[0].getMessage(), said
+    # No gap (Landlock closes the host's /tmp): not a warning in every API process whose
+    # upload inspections run in the system's temporary folder.
+    assert all(r.levelno < logging.WARNING for r in said)
 
 
 def test_spinning_past_the_cpu_limit_is_resource_limit_naming_the_stage(tmp_path: Path):
