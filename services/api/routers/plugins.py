@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, File, Header, Request, Response, UploadFile, status
+from starlette.concurrency import run_in_threadpool
 
 from schemas import BlobRef
 from schemas.errors import IntegrityError, InvalidRequest
@@ -40,9 +41,14 @@ async def push_plugin(
                                  **exc.details) from exc
         ref = await run_slow(http, store.put_blob, path, name="plugin",
                              media_type=BUNDLE_MEDIA_TYPE)
-    info, created = repo.record_plugin(session, manifest=manifest, digest=ref.sha256,
-                                       size_bytes=ref.size)
-    session.commit()
+
+    def record() -> tuple[PluginInfo, bool]:
+        found = repo.record_plugin(session, manifest=manifest, digest=ref.sha256,
+                                   size_bytes=ref.size)
+        session.commit()
+        return found
+
+    info, created = await run_in_threadpool(record)  # never a statement on the loop
     if not created:
         response.status_code = status.HTTP_200_OK
     else:  # engines built with an older version of it now have a successor to build

@@ -118,3 +118,52 @@ def test_sdk_uploads_the_onnx_with_its_data_files(api: TestClient, tmp_path: Pat
 
     with pytest.raises(InvalidModel, match="not beside it"):
         client.upload_model(model_path)
+
+
+
+def test_an_upload_waiting_for_the_database_leaves_the_api_answering(
+        api: TestClient, settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's row is written in a thread. While another connection holds SQLite's write
+    lock (the embedded stack's workers share the file), the upload waits for it and the API
+    keeps answering. Written on the event loop, the statement froze the loop for the whole
+    busy timeout, and a request whose transaction only that loop could end held the lock
+    meanwhile: a 503 after 30 s, seen in CI. (The real ``upsert_model`` runs; the wrapper
+    only holds it until the lock is taken, so that the upload's earlier reads are done.)"""
+    import sqlite3
+    import threading
+
+    from kiln.examples import mlp
+    from services.api.routers import models as route
+
+    reached, locked = threading.Event(), threading.Event()
+    real = route.repo.upsert_model
+
+    def upsert_once_locked(*args, **kwargs):
+        reached.set()
+        locked.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(route.repo, "upsert_model", upsert_once_locked)
+    answers: dict[str, object] = {}
+    upload = threading.Thread(target=lambda: answers.setdefault("upload", api.post(
+        "/v1/models", files={"file": ("m.onnx", mlp(seed=7).SerializeToString())})))
+    upload.start()
+    assert reached.wait(60), "the upload never reached its row"
+    holder = sqlite3.connect(settings.database_url.removeprefix("sqlite:///"),
+                             isolation_level=None, timeout=30)
+    holder.execute("BEGIN IMMEDIATE")  # SQLite's one write lock, held here
+    try:
+        locked.set()
+        probe = threading.Thread(target=lambda: answers.setdefault("probe",
+                                                                   api.get("/healthz")))
+        probe.start()
+        probe.join(10)
+        assert not probe.is_alive(), "the API stopped answering while an upload waited"
+        assert answers["probe"].status_code == 200
+        assert "upload" not in answers  # it is still waiting for the lock
+    finally:
+        locked.set()
+        holder.execute("ROLLBACK")
+        holder.close()
+    upload.join(60)
+    assert answers["upload"].status_code == 201, answers["upload"].text
