@@ -1,7 +1,8 @@
 """The threads an API process runs blocking work in.
 
 Short work (a route's database reads and writes, the store's checks) runs in anyio's default
-pool, bounded by ``KILN_API_THREADS``: every busy thread takes turns at the interpreter lock
+pool, bounded by ``KILN_API_THREADS``; no statement runs on the event loop itself
+(``tests/services/api/test_event_loop.py``): every busy thread takes turns at the interpreter lock
 with the event loop that answers heartbeats and held long-polls, so the pool is kept small.
 Work that mostly waits on something else (the sandboxed inspection of an upload, its copy into
 the store) runs through ``run_slow`` in a pool of its own (``KILN_API_SLOW_THREADS``), so
