@@ -103,8 +103,8 @@ async def upload_model(
         return found
 
     # In a thread, as every statement of this API: on the event loop, a write waiting for
-    # SQLite's lock (the embedded stack) froze the loop for the whole busy timeout, while
-    # the lock's holder waited for that loop to end its request (seen: 30 s, then 503).
+    # SQLite's lock (the embedded stack) froze the loop for the whole busy timeout (seen in
+    # CI: 30 s, then 503), most likely behind a request that only that loop could end.
     model, created = await run_in_threadpool(record)
     if not created:
         response.status_code = status.HTTP_200_OK
