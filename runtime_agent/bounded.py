@@ -56,8 +56,8 @@ def load_json(body: bytes | memoryview, *, max_bytes: int, what: str,
     """``body`` parsed, once its size and nesting depth are within bounds."""
     if len(body) > max_bytes:
         raise PayloadTooLarge(f"{what} is {len(body)} bytes of JSON, over the limit of "
-                            f"{max_bytes} ({limit_name}); send large tensors as npz or with "
-                            f"the binary-data extension", limit_bytes=max_bytes)
+                              f"{max_bytes} ({limit_name}); send large tensors as npz or "
+                              f"with the binary-data extension", limit_bytes=max_bytes)
     raw = bytes(body)
     depth = json_depth(raw)
     if depth > max_depth:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 from fastapi import FastAPI, Request
+from sqlalchemy.orm import Session
 
 from services.config import KilnSettings
 
@@ -36,6 +37,20 @@ def configure(app: FastAPI, settings: KilnSettings) -> None:
 async def run_slow(request: Request, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` in a thread of the slow pool."""
     return await _in_pool(request, "slow_threads", functools.partial(fn, *args, **kwargs))
+
+
+async def committed(session: Session, fn: Callable[..., T], /, **kwargs: Any) -> T:
+    """``fn(session, **kwargs)`` and the commit, in a thread of the default pool: how a
+    coroutine route (an upload) writes. On the loop, a statement waiting for SQLite's write
+    lock (the embedded stack) froze every request of the process for the busy timeout (seen
+    in CI: 30 s, then a 503)."""
+
+    def write() -> T:
+        result = fn(session, **kwargs)
+        session.commit()
+        return result
+
+    return await anyio.to_thread.run_sync(write)
 
 
 async def run_desired(request: Request, fn: Callable[[], T], /) -> T:

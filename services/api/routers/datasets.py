@@ -11,7 +11,6 @@ import logging
 from typing import Annotated
 
 from fastapi import APIRouter, File, Request, Response, UploadFile, status
-from starlette.concurrency import run_in_threadpool
 
 from schemas.datasets import NPZ_MEDIA_TYPE, DatasetInfo
 from services.api.deps import (
@@ -25,7 +24,7 @@ from services.api.deps import (
 )
 from services.api.gate import BODY_LIMIT
 from services.api.inspection import inspect_dataset
-from services.api.threads import run_slow
+from services.api.threads import committed, run_slow
 from services.api.transfers import received_upload
 from services.db import repo
 
@@ -52,14 +51,9 @@ async def upload_dataset(
                                  max_bytes=limit)
         ref = await run_slow(http, store.put_blob, path, name="dataset",
                              media_type=NPZ_MEDIA_TYPE)
-
-    def record() -> tuple[DatasetInfo, bool]:
-        found = repo.record_dataset(session, sha256=ref.sha256, size_bytes=size,
-                                    tensors=tensors, blob_key=store.blob_key(ref.sha256))
-        session.commit()
-        return found
-
-    dataset, created = await run_in_threadpool(record)  # never a statement on the loop
+    dataset, created = await committed(session, repo.record_dataset, sha256=ref.sha256,
+                                       size_bytes=size, tensors=tensors,
+                                       blob_key=store.blob_key(ref.sha256))
     if not created:
         response.status_code = status.HTTP_200_OK
     logger.info("dataset %s (%d bytes) %s", dataset.id, size, "stored" if created else "exists")

@@ -19,7 +19,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, File, Form, Request, Response, UploadFile, status
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.concurrency import run_in_threadpool
 
 from schemas import CompileJob, CompileOptions, JobStatus, ModelInfo
 from schemas.errors import ErrorBody, ErrorCode, InvalidModel, ModelTooLarge
@@ -36,7 +35,7 @@ from services.api.deps import (
 from services.api.enqueue import enqueue_jobs
 from services.api.gate import BODY_ERROR, BODY_LIMIT
 from services.api.inspection import check_model_upload
-from services.api.threads import run_slow
+from services.api.threads import committed, run_slow
 from services.api.transfers import received_upload
 from services.db import repo
 
@@ -84,28 +83,19 @@ async def upload_model(
         ref = await run_slow(http, store.put_blob, blob, name="model",
                              media_type=checked.media_type)
     first = file[0].filename or "model.onnx"
-
-    def record() -> tuple[ModelInfo, bool]:
-        found = repo.upsert_model(
-            session,
-            sha256=ref.sha256,
-            name=name or Path(first).name.removesuffix(".tar").removesuffix(".onnx")
-            .removesuffix(".pt2"),
-            size_bytes=size,
-            format=checked.format,
-            opset=checked.opset,
-            ir_version=checked.ir_version,
-            inputs=checked.inputs,
-            outputs=checked.outputs,
-            blob_key=store.blob_key(ref.sha256),
-        )
-        session.commit()
-        return found
-
-    # In a thread, as every statement of this API: on the event loop, a write waiting for
-    # SQLite's lock (the embedded stack) froze the loop for the whole busy timeout (seen in
-    # CI: 30 s, then 503), most likely behind a request that only that loop could end.
-    model, created = await run_in_threadpool(record)
+    model, created = await committed(
+        session, repo.upsert_model,
+        sha256=ref.sha256,
+        name=name or Path(first).name.removesuffix(".tar").removesuffix(".onnx")
+        .removesuffix(".pt2"),
+        size_bytes=size,
+        format=checked.format,
+        opset=checked.opset,
+        ir_version=checked.ir_version,
+        inputs=checked.inputs,
+        outputs=checked.outputs,
+        blob_key=store.blob_key(ref.sha256),
+    )
     if not created:
         response.status_code = status.HTTP_200_OK
     logger.info("model %s (%s bytes, %s) %s", model.id, size, checked.media_type,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, File, Header, Request, Response, UploadFile, status
-from starlette.concurrency import run_in_threadpool
 
 from schemas import BlobRef
 from schemas.errors import IntegrityError, InvalidRequest
@@ -13,7 +12,7 @@ from schemas.plugins import PluginInfo
 from services.api.deps import AdminPrincipal, ReaderPrincipal, SessionDep, SettingsDep, StoreDep
 from services.api.gate import BODY_LIMIT
 from services.api.inspection import inspect_plugin_bundle
-from services.api.threads import run_slow
+from services.api.threads import committed, run_slow
 from services.api.transfers import DOWNLOAD_RESPONSES, blob_response, received_upload
 from services.db import repo
 
@@ -41,14 +40,8 @@ async def push_plugin(
                                  **exc.details) from exc
         ref = await run_slow(http, store.put_blob, path, name="plugin",
                              media_type=BUNDLE_MEDIA_TYPE)
-
-    def record() -> tuple[PluginInfo, bool]:
-        found = repo.record_plugin(session, manifest=manifest, digest=ref.sha256,
-                                   size_bytes=ref.size)
-        session.commit()
-        return found
-
-    info, created = await run_in_threadpool(record)  # never a statement on the loop
+    info, created = await committed(session, repo.record_plugin, manifest=manifest,
+                                    digest=ref.sha256, size_bytes=ref.size)
     if not created:
         response.status_code = status.HTTP_200_OK
     else:  # engines built with an older version of it now have a successor to build
