@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from schemas.jobs import JobStatus
 from schemas.manifest import ArtifactManifest
 from schemas.retention import RetentionArtifact, RetentionReport
+from schemas.rollouts import RolloutState
 from services.db.repo.agents import AGENT_TTL
 from services.db.repo.artifacts import blob_owners
 from services.db.tables import (
@@ -32,12 +33,14 @@ from services.db.tables import (
     CompileJobRow,
     DeploymentRow,
     RevokedTokenRow,
+    RolloutRow,
     utcnow,
 )
 
 log = logging.getLogger(__name__)
 
 TERMINAL = [status.value for status in JobStatus if status.terminal]
+ACTIVE_ROLLOUTS = [state.value for state in RolloutState if state.active]
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,14 @@ class RetentionPlan:
 
 
 def _in_use(session: Session) -> set[str]:
-    """Artifacts a deployment resolves to or an agent reports serving."""
+    """Artifacts a deployment resolves to or an agent reports serving. During a rollout a
+    deployment resolves to two models: the agents not yet admitted (and all of them, if it is
+    aborted) run the one it started from."""
     deployed = {(model_id, digest) for model_id, digest in session.execute(
         sa.select(DeploymentRow.model_id, DeploymentRow.options_digest))}
+    deployed.update((model_id, digest) for model_id, digest in session.execute(
+        sa.select(RolloutRow.from_model_id, RolloutRow.from_options_digest)
+        .where(RolloutRow.state.in_(ACTIVE_ROLLOUTS))))
     used: set[str] = set()
     if deployed:
         for artifact_id, model_id, digest in session.execute(
@@ -131,13 +139,16 @@ def apply_retention(session: Session, *, plan: RetentionPlan) -> dict[str, int]:
     doomed = [artifact_id for artifact_id in doomed if artifact_id not in still_used]
     manifests: list[ArtifactManifest] = []
     if doomed:
-        for row in session.scalars(sa.select(ArtifactRow).where(ArtifactRow.id.in_(doomed))
-                                   .with_for_update(skip_locked=True)):
-            manifests.append(ArtifactManifest.model_validate(row.manifest))
-            session.delete(row)
-        session.execute(sa.update(CompileJobRow)
-                        .where(CompileJobRow.artifact_id.in_([m.artifact_id for m in manifests]))
-                        .values(artifact_id=None)
+        manifests = [ArtifactManifest.model_validate(manifest) for manifest in session.scalars(
+            sa.select(ArtifactRow.manifest).where(ArtifactRow.id.in_(doomed))
+            .with_for_update(skip_locked=True))]
+        gone = [m.artifact_id for m in manifests]
+        # compile_jobs.artifact_id is the one foreign key to an artifact: the jobs that
+        # produced or were answered by it keep their history without the link, and it has to
+        # let go before the row goes, in statements run in this order (no unit of work that
+        # could flush the delete first).
+        _unlink_jobs(session, gone)
+        session.execute(sa.delete(ArtifactRow).where(ArtifactRow.id.in_(gone))
                         .execution_options(synchronize_session=False))
     if plan.jobs:
         session.execute(sa.delete(CompileJobRow)
@@ -163,6 +174,13 @@ def apply_retention(session: Session, *, plan: RetentionPlan) -> dict[str, int]:
              "%d blobs referenced by nothing else", len(manifests), len(plan.jobs),
              len(plan.agents), len(plan.revoked_tokens), len(blobs))
     return blobs
+
+
+def _unlink_jobs(session: Session, artifact_ids: list[str]) -> None:
+    session.execute(sa.update(CompileJobRow)
+                    .where(CompileJobRow.artifact_id.in_(artifact_ids))
+                    .values(artifact_id=None)
+                    .execution_options(synchronize_session=False))
 
 
 def retention_report(plan: RetentionPlan, *, dry_run: bool, blobs: dict[str, int] | None = None,

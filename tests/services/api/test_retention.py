@@ -32,7 +32,8 @@ OTHER_KEY = "ort-cpu-x86-64-v3-ort1.32"
 
 @pytest.fixture(params=["sqlite-local", "postgres-s3"])
 def gc_settings(request, tmp_path: Path) -> KilnSettings:
-    overrides: dict = {"retention_keep_per_key": 2, "gc_interval_s": 0}
+    # The rollout controller's timer is off: a rollout stays where a test leaves it.
+    overrides: dict = {"retention_keep_per_key": 2, "gc_interval_s": 0, "rollout_interval_s": 0}
     if request.param == "postgres-s3":
         endpoint = request.getfixturevalue("s3_endpoint")
         bucket = request.getfixturevalue("s3_bucket")
@@ -142,6 +143,90 @@ def test_gc_keeps_the_newest_per_key_and_what_is_in_use_and_a_dry_run_deletes_no
     # A second pass has nothing left to do.
     again = gc_api.post("/v1/gc").json()
     assert again["artifacts"] == [] and again["blobs"] == [] and again["agents"] == []
+
+
+def _built(settings: KilnSettings, artifact: ArtifactManifest, *, cached: int = 0,
+           age: timedelta = timedelta(0)) -> list[str]:
+    """The history of an artifact: the job that built it and ``cached`` jobs answered from
+    it (cache hits), their rows ``age`` old. Returns the job ids."""
+    options = artifact.options
+    with session_scope(_sessions(settings)) as session:
+        job = repo.create_job(session, model_id=artifact.model_sha256, options=options,
+                              fingerprint_key=artifact.fingerprint_key)
+        repo.succeed_job(session, job_id=job.id, artifact_id=artifact.artifact_id)
+        ids = [job.id] + [repo.create_cached_job(
+            session, model_id=artifact.model_sha256, options=options,
+            fingerprint_key=artifact.fingerprint_key, artifact_id=artifact.artifact_id).id
+            for _ in range(cached)]
+        session.execute(sa.update(CompileJobRow).where(CompileJobRow.id.in_(ids))
+                        .values(updated_at=utcnow() - age))
+    return ids
+
+
+def _artifact_of_job(settings: KilnSettings, job_id: str) -> str | None:
+    with session_scope(_sessions(settings)) as session:
+        return session.get(CompileJobRow, job_id).artifact_id
+
+
+def test_gc_frees_artifacts_their_jobs_point_to_and_keeps_what_deployments_resolve_to(
+        gc_api, gc_settings) -> None:
+    """Five engines of one model and key (the default options, seed 0, and seeds 1-4), each
+    with the jobs that built it or were answered from it; a deployment that served one was removed,
+    and one rolling from seed 3 to the default options is half-way. The jobs' references
+    let go of what is collected (a foreign key: the pass used to fail on it and roll
+    back), what the deployments resolve to stays, and the report counts it all."""
+    store = _store(gc_settings)
+    model_id = upload(gc_api, mlp().SerializeToString()).json()["id"]
+    made = {seed: _artifact(gc_settings, model_id, seed=seed, age=timedelta(hours=i))
+            for i, seed in enumerate([0, 1, 2, 3, 4])}
+    jobs = {seed: _built(gc_settings, a, cached=2) for seed, a in made.items()}
+    old_jobs = _built(gc_settings, made[4], age=timedelta(days=31))
+
+    def deploy(name: str, seed: int, **extra):
+        response = gc_api.post("/v1/deployments", json={
+            "name": name, "model_id": model_id, "selector": {"app": name},
+            "options": CompileOptions(seed=seed).model_dump(mode="json"), **extra})
+        assert response.status_code in (200, 201), response.text
+        return response.json()
+
+    deploy("old", 2)
+    assert gc_api.delete("/v1/deployments/old").status_code == 204
+    registered = gc_api.post("/v1/agents", json=registration("web-1", KEY, {"app": "web"}))
+    assert registered.status_code == 200, registered.text
+    deploy("web", 3)
+    rollout = deploy("web", 0, rollout={"stages": [1, "100%"], "soak_s": 3600})["rollout"]
+    assert rollout is not None and rollout["state"] == "running", rollout
+
+    response = gc_api.post("/v1/gc")
+    assert response.status_code == 200, response.text
+    report = response.json()
+    gone = [made[2], made[4]]
+    assert sorted(a["id"] for a in report["artifacts"]) == sorted(a.artifact_id for a in gone)
+    # the default options (deployed now) and seed 3 (what the rollout started from)
+    assert report["kept_in_use"] == 2
+    assert sorted(report["blobs"]) == sorted(a.blobs[0].sha256 for a in gone)
+    assert report["freed_bytes"] == sum(a.blobs[0].size for a in gone)
+    assert report["jobs"] == len(old_jobs)
+    assert report["store_errors"] == []
+    for artifact in gone:
+        assert gc_api.get(f"/v1/artifacts/{artifact.artifact_id}").status_code == 404
+        assert not store.has_manifest(artifact.artifact_id)
+        assert not store.has_blob(artifact.blobs[0])
+    for seed in (2, 4):  # the recent jobs stay, without the link
+        for job_id in jobs[seed]:
+            job = gc_api.get(f"/v1/compile-jobs/{job_id}")
+            assert job.status_code == 200, job.text
+            assert job.json()["status"] == "succeeded" and job.json()["artifact_id"] is None
+    for job_id in old_jobs:
+        assert gc_api.get(f"/v1/compile-jobs/{job_id}").status_code == 404
+    for seed in (0, 1, 3):
+        kept = made[seed]
+        assert gc_api.get(f"/v1/artifacts/{kept.artifact_id}").status_code == 200
+        assert store.missing_parts(kept.artifact_id) == []
+        assert all(_artifact_of_job(gc_settings, j) == kept.artifact_id for j in jobs[seed])
+
+    again = gc_api.post("/v1/gc").json()
+    assert again["artifacts"] == [] and again["blobs"] == [] and again["jobs"] == 0
 
 
 def test_gc_deletes_old_finished_jobs_only(gc_api, gc_settings) -> None:
