@@ -109,6 +109,13 @@ class BuildClient:
         self.api_url = api_url.rstrip("/")
         self.http = http or httpx.Client(base_url=self.api_url, timeout=timeout_s,
                                          headers={"Authorization": f"Bearer {token}"})
+        #: job id → the lease its claim answered: uploads and the publish present it, since
+        #: the control plane lets only the claiming instance write into a job.
+        self._leases: dict[str, str] = {}
+
+    def _claim_headers(self, job_id: str) -> dict[str, str]:
+        lease = self._leases.get(job_id)
+        return {"X-Kiln-Claim": lease} if lease else {}
 
     def close(self) -> None:
         self.http.close()
@@ -175,7 +182,10 @@ class BuildClient:
         """The job, now running under this worker process; ``ClaimRefused`` when the control
         plane will not give it (``details``: its ``status``, ``terminal``, its owner)."""
         response = self._json("POST", f"/v1/builds/{quote(job_id, safe='')}/claim", claim)
-        return ClaimedJob.model_validate_json(response.content)
+        claimed = ClaimedJob.model_validate_json(response.content)
+        if claimed.lease:
+            self._leases[job_id] = claimed.lease
+        return claimed
 
     def release(self, job_id: str, instance: str) -> bool:
         response = self._json("POST", f"/v1/builds/{quote(job_id, safe='')}/release",
@@ -228,7 +238,8 @@ class BuildClient:
             "PUT", f"/v1/builds/{quote(job_id, safe='')}/blobs/{quote(ref.name, safe='')}",
             params={"media_type": ref.media_type},
             headers={"X-Kiln-Sha256": ref.sha256, "Content-Length": str(path.stat().st_size),
-                     "Content-Type": "application/octet-stream"},
+                     "Content-Type": "application/octet-stream",
+                     **self._claim_headers(job_id)},
             content=_file_chunks(path))
         stored = BlobRef.model_validate_json(response.content)
         if stored.sha256 != ref.sha256 or stored.size != ref.size:
@@ -244,5 +255,7 @@ class BuildClient:
                                replace=replace)
         response = self._call("POST", f"/v1/builds/{quote(job_id, safe='')}/complete",
                               content=body.model_dump_json(),
-                              headers={"Content-Type": "application/json"})
+                              headers={"Content-Type": "application/json",
+                                       **self._claim_headers(job_id)})
+        self._leases.pop(job_id, None)  # published: nothing more is written into it
         return BuildPublished.model_validate_json(response.content)

@@ -67,6 +67,9 @@ class ClaimedJob(BaseModel):
 
     job: CompileJob
     max_attempts: int
+    #: The claim's proof: the routes that write into the job (blob uploads, the publish)
+    #: take it in ``X-Kiln-Claim`` from the instance that claimed it, and from no other.
+    lease: str | None = None
 
 
 class JobRelease(BaseModel):

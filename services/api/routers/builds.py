@@ -25,7 +25,12 @@ bundle through the API (``PUT /v1/builds/{job_id}/blobs/{name}``, streamed, with
 computed in ``X-Kiln-Sha256``), then asks the control plane to publish
 (``POST /v1/builds/{job_id}/complete``). The control plane then:
 
-1. checks the job is running and is one the worker token may build (its fingerprint key);
+1. checks the job is running, is one the worker token may build (its fingerprint key), and
+   that the caller is the worker instance that claimed it: the claim answers a lease
+   (``ClaimedJob.lease``, a MAC of the job and the claiming instance under the API's secret),
+   which uploads and the publish carry in ``X-Kiln-Claim``. A worker token is shared by
+   every instance of a worker (and the embedded stack's by all its workers), so the key
+   alone would let one instance write into another's running job;
 2. checks the manifest belongs to the job: model, options digest, fingerprint key, and the
    artifact id those derive with the toolchain;
 3. re-hashes every blob the manifest names from the store, refusing a size or sha256 that
@@ -39,6 +44,7 @@ A cancelled job's ``complete`` is refused (409) and nothing is signed or recorde
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
 import re
@@ -73,6 +79,7 @@ from schemas.errors import (
     Conflict,
     ErrorBody,
     ErrorCode,
+    Forbidden,
     InvalidRequest,
     KilnError,
     NotFound,
@@ -118,6 +125,37 @@ def artifact_id_for(model_sha256: str, options_digest: str, fingerprint_key: str
     }))[:32]
 
 
+#: The header carrying a claim's lease on the routes that write into a job.
+CLAIM_HEADER = "X-Kiln-Claim"
+
+
+def claim_lease(secret: str, job_id: str, instance: str) -> str:
+    """The lease of ``job_id`` claimed by worker ``instance``: only the claim's answer carries
+    it (instance ids are visible to every reader of the job), and no one without the API's
+    secret can derive it."""
+    return hmac.new(secret.encode(), f"kiln-claim\0{job_id}\0{instance}".encode(),
+                    hashlib.sha256).hexdigest()
+
+
+def check_claimant(principal: Principal, job: CompileJob, lease: str | None,
+                   secret: str) -> None:
+    """A worker writes only into a job its own instance claimed: ``lease`` must be the one
+    the claim answered. Admins are not workers and need none."""
+    if principal.role is not Role.WORKER:
+        return
+    if not lease:
+        raise Forbidden(f"compile job {job.id} is written only by the worker instance that "
+                        f"claimed it: send the lease the claim answered "
+                        f"(ClaimedJob.lease) in {CLAIM_HEADER}", job_id=job.id)
+    if job.worker_instance is None or not hmac.compare_digest(
+            lease, claim_lease(secret, job.id, job.worker_instance)):
+        raise Forbidden(f"compile job {job.id} was claimed by worker instance "
+                        f"{job.worker_instance!r} ({job.worker}); the lease sent in "
+                        f"{CLAIM_HEADER} is not that claim's, so this caller may not write "
+                        f"into it", job_id=job.id, owner=job.worker,
+                        owner_instance=job.worker_instance)
+
+
 def _building_job(session, principal: Principal, job_id: str, *,
                   lock: bool = False) -> CompileJob:
     """The job, when this worker token may build it and it is running; else 403/404/409.
@@ -130,6 +168,14 @@ def _building_job(session, principal: Principal, job_id: str, *,
     return job
 
 
+def _claimed_job(session, principal: Principal, job_id: str, lease: str | None,
+                 secret: str, *, lock: bool = False) -> CompileJob:
+    """``_building_job``, when the caller is the instance that claimed it (403 otherwise)."""
+    job = _building_job(session, principal, job_id, lock=lock)
+    check_claimant(principal, job, lease, secret)
+    return job
+
+
 @router.put(
     "/{job_id}/blobs/{name}",
     response_model=BlobRef,
@@ -139,20 +185,25 @@ async def upload_blob(
     request: Request,
     session: SessionDep,
     store: StoreDep,
+    settings: SettingsDep,
     principal: WorkerPrincipal,
     job_id: str,
     name: Annotated[str, PathParam(pattern=BLOB_NAME_PATTERN)],
     x_kiln_sha256: Annotated[str, Header(
         description="the sha256 the worker computed for these bytes; bytes that hash "
                     "otherwise are refused and not stored")],
+    x_kiln_claim: Annotated[str | None, Header(
+        max_length=128, description="the lease the claim answered (`ClaimedJob.lease`): "
+        "only the worker instance that claimed the job writes into it")] = None,
     media_type: Annotated[str, Query(max_length=200)] = "application/octet-stream",
 ) -> BlobRef:
     """Store one blob of a running job's build, streamed; refused (422) when the bytes do not
-    hash to ``X-Kiln-Sha256``."""
+    hash to ``X-Kiln-Sha256``, and (403) unless the caller claimed the job."""
     if not _SHA256.match(x_kiln_sha256):
         raise InvalidRequest(f"X-Kiln-Sha256 must be 64 lowercase hex digits; got "
                              f"{x_kiln_sha256[:80]!r}")
-    await run_in_threadpool(_building_job, session, principal, job_id)
+    await run_in_threadpool(_claimed_job, session, principal, job_id, x_kiln_claim,
+                            settings.secret_key)
     session.rollback()  # no transaction held open while the body streams
     fd, tmp = tempfile.mkstemp(prefix="kiln-build-blob-")
     try:
@@ -225,9 +276,12 @@ def complete_build(
     session: SessionDep,
     store: StoreDep,
     signer: SignerDep,
+    settings: SettingsDep,
     principal: WorkerPrincipal,
     job_id: str,
     http: Request,
+    x_kiln_claim: Annotated[str | None, Header(
+        max_length=128, description="the lease the claim answered (`ClaimedJob.lease`)")] = None,
 ) -> BuildPublished:
     """Publish a running job's build: check the manifest belongs to the job, re-hash its blobs,
     sign it, record the artifact and the job's success. Repeating the call after it succeeded
@@ -239,7 +293,7 @@ def complete_build(
         return BuildPublished(artifact_id=job.artifact_id, created=False, job=job)
     # The row stays locked until the commit: a cancel waits, then finds the job finished; a
     # job cancelled before is refused here (409) and nothing is signed.
-    job = _building_job(session, principal, job_id, lock=True)
+    job = _claimed_job(session, principal, job_id, x_kiln_claim, settings.secret_key, lock=True)
     _check_belongs(job, manifest)
     _rehash(store, manifest)
     published = store.publish_manifest(manifest, signer.signer(), replace=completion.replace)
@@ -329,7 +383,8 @@ def claim_job(
             owner_pid=after.worker_pid, attempts=after.attempts,
             error=after.error.model_dump(mode="json") if after.error else None)
     session.commit()
-    return ClaimedJob(job=job, max_attempts=settings.max_job_attempts)
+    return ClaimedJob(job=job, max_attempts=settings.max_job_attempts,
+                      lease=claim_lease(settings.secret_key, job_id, claim.instance))
 
 
 @router.post("/{job_id}/release", response_model=JobReleased)

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from artifact_store.signing import Verifier
 from schemas import ArtifactManifest, BlobRef, CompileOptions, JobStatus
 from services.api.auth import Role, mint_token
-from services.api.routers.builds import artifact_id_for
+from services.api.routers.builds import artifact_id_for, claim_lease
 from services.db import repo
 from tests.services.api.conftest import SECRET
 from tests.services.db.helpers import FINGERPRINT_KEY, TOOLCHAIN, add_model, manifest
@@ -59,18 +59,25 @@ def build_manifest(api: TestClient, job_id: str,
         "blobs": [BlobRef(name=n, sha256=sha256(b), size=len(b)) for n, b in blobs.items()]})
 
 
+def lease(job_id: str, instance: str = "i1") -> dict[str, str]:
+    """The claim header of the instance that started the ``job`` fixture's job."""
+    return {"X-Kiln-Claim": claim_lease(SECRET, job_id, instance)}
+
+
 def upload(api: TestClient, job_id: str, name: str, data: bytes, *, declared: str | None = None,
-           token: str | None = None):
+           token: str | None = None, claim: dict[str, str] | None = None):
     return api.put(f"/v1/builds/{job_id}/blobs/{name}", content=data,
                    headers={"X-Kiln-Sha256": declared or sha256(data),
-                            "Authorization": token or worker_bearer()})
+                            "Authorization": token or worker_bearer(),
+                            **(lease(job_id) if claim is None else claim)})
 
 
 def complete(api: TestClient, job_id: str, built: ArtifactManifest, *,
-             token: str | None = None):
+             token: str | None = None, claim: dict[str, str] | None = None):
     return api.post(f"/v1/builds/{job_id}/complete",
                     json={"manifest": built.model_dump(mode="json")},
-                    headers={"Authorization": token or worker_bearer()})
+                    headers={"Authorization": token or worker_bearer(),
+                             **(lease(job_id) if claim is None else claim)})
 
 
 def nothing_recorded(api: TestClient, job_id: str, built: ArtifactManifest) -> None:
@@ -172,6 +179,42 @@ def test_a_worker_token_for_another_key_can_neither_upload_nor_complete(
     assert complete(api, job, built, token=agent).status_code == 403
     nothing_recorded(api, job, built)
     assert complete(api, job, built, token=worker_bearer("*")).status_code == 200
+
+
+def test_only_the_instance_that_claimed_a_job_writes_into_it(api: TestClient) -> None:
+    """One worker token, two instances (two machines of one worker, or the embedded stack's
+    workers): the one that did not claim the job can neither upload into it nor publish it,
+    whether it sends no lease, its own lease of another job, or a made-up one."""
+    with api.app.state.session_factory() as session:
+        model = add_model(session, "claimed-model")
+        job_id = repo.create_job(session, model_id=model.id, options=CompileOptions(),
+                                 fingerprint_key=FINGERPRINT_KEY).id
+        other_id = repo.create_job(session, model_id=model.id,
+                                   options=CompileOptions(tuning_budget_s=9),
+                                   fingerprint_key=FINGERPRINT_KEY).id
+        session.commit()
+    token = worker_bearer()
+    claimed = api.post(f"/v1/builds/{job_id}/claim", headers={"Authorization": token},
+                       json={"worker": "w1", "instance": "i1", "pid": 100})
+    assert claimed.status_code == 200, claimed.text
+    own = {"X-Kiln-Claim": claimed.json()["lease"]}
+    second = api.post(f"/v1/builds/{other_id}/claim", headers={"Authorization": token},
+                      json={"worker": "w2", "instance": "i2", "pid": 200})
+    assert second.status_code == 200, second.text
+    for claim in ({}, {"X-Kiln-Claim": second.json()["lease"]},
+                  {"X-Kiln-Claim": claim_lease("not the secret", job_id, "i2")}):
+        refused = upload(api, job_id, "engine", ENGINE, token=token, claim=claim)
+        assert refused.status_code == 403, refused.text
+        assert "claimed" in refused.json()["message"] and "X-Kiln-Claim" in refused.json()["message"]
+    built = build_manifest(api, job_id)
+    assert not api.app.state.store.has_blob(built.blob("engine"))
+    assert upload(api, job_id, "engine", ENGINE, token=token, claim=own).status_code == 200
+    assert upload(api, job_id, "config", SIDECAR, token=token, claim=own).status_code == 200
+    stolen = complete(api, job_id, built, token=token, claim={"X-Kiln-Claim": second.json()["lease"]})
+    assert stolen.status_code == 403, stolen.text
+    nothing_recorded(api, job_id, built)
+    done = complete(api, job_id, built, token=token, claim=own)
+    assert done.status_code == 200, done.text
 
 
 def test_a_cancelled_job_is_not_published(api: TestClient, job: str) -> None:
