@@ -21,6 +21,7 @@ from schemas.agents import (
 )
 from schemas.errors import InvalidRequest
 from schemas.rollouts import Rollout
+from services.api.access import check_no_listing, check_own_record
 from services.api.auth import Role, check_agent
 from services.api.deps import (
     AgentName,
@@ -220,12 +221,16 @@ async def poll_desired_state(
 
 
 @router.get("", response_model=list[AgentInfo])
-def list_agents(request: Request, session: SessionDep, _: ReaderPrincipal) -> list[AgentInfo]:
+def list_agents(request: Request, session: SessionDep,
+                principal: ReaderPrincipal) -> list[AgentInfo]:
+    check_no_listing(principal, "agents")
     _heartbeats(request).flush(session)  # what this process recorded shows
     return repo.list_agents(session)
 
 
 @router.get("/{name}", response_model=AgentInfo)
-def get_agent(name: AgentName, request: Request, session: SessionDep) -> AgentInfo:
+def get_agent(name: AgentName, request: Request, session: SessionDep,
+              principal: ReaderPrincipal) -> AgentInfo:
+    check_own_record(principal, name)
     _heartbeats(request).flush(session)
     return repo.get_agent(session, name=name)

@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from schemas import ArtifactManifest, ArtifactSummary
 from schemas.errors import ErrorBody, NotFound
 from schemas.tuning import TuningTable
+from services.api.access import check_artifact_access, check_no_listing
 from services.api.deps import (
     AdminPrincipal,
     ArtifactId,
@@ -48,12 +49,13 @@ class ArtifactDeleted(BaseModel):
 @router.get("", response_model=list[ArtifactSummary])
 def list_artifacts(
     session: SessionDep,
-    _: ReaderPrincipal,
+    principal: ReaderPrincipal,
     model_id: str | None = None,
     fingerprint_key: str | None = None,
     state: Literal["ready", "broken"] | None = None,
     limit: Limit = 100,
 ) -> list[ArtifactSummary]:
+    check_no_listing(principal, "artifacts")
     if model_id is not None:
         model_id = repo.resolve_id(session, "model", model_id)
     return repo.list_artifacts(
@@ -87,8 +89,9 @@ def delete_artifact(
 
 @router.get("/{artifact_id}", response_model=ArtifactDetail)
 def get_artifact(
-    artifact_id: ArtifactId, request: Request, session: SessionDep
+    artifact_id: ArtifactId, request: Request, session: SessionDep, principal: ReaderPrincipal,
 ) -> ArtifactDetail:
+    check_artifact_access(request, session, principal, artifact_id)
     summary = repo.get_artifact(session, artifact_id=artifact_id)
     manifest = repo.get_manifest(session, artifact_id=artifact_id)
     return ArtifactDetail(
@@ -106,16 +109,22 @@ def get_artifact(
     "description": "The signed envelope (DSSE: payload, payloadType, signatures) exactly as "
                    "stored: the signature covers these bytes.",
 }})
-def get_signed_manifest(artifact_id: ArtifactId, store: StoreDep) -> Response:
+def get_signed_manifest(artifact_id: ArtifactId, store: StoreDep, request: Request,
+                        session: SessionDep, principal: ReaderPrincipal) -> Response:
     """The artifact's manifest as the store holds it, byte for byte; agents verify its
-    signature over these bytes before they parse them."""
+    signature over these bytes before they parse them. An agent reads only the artifacts of
+    its desired state."""
+    check_artifact_access(request, session, principal, artifact_id)
+    session.rollback()  # no transaction held while the store answers
     return Response(store.manifest_bytes(artifact_id), media_type="application/json")
 
 
 @router.get("/{artifact_id}/tuning", response_model=TuningTable)
-def get_tuning(artifact_id: ArtifactId, session: SessionDep) -> TuningTable:
+def get_tuning(artifact_id: ArtifactId, session: SessionDep, request: Request,
+               principal: ReaderPrincipal) -> TuningTable:
     """The candidate table of the tuning that built this artifact: from its signed manifest,
     else from the tuning record of its cache key."""
+    check_artifact_access(request, session, principal, artifact_id)
     manifest = repo.get_manifest(session, artifact_id=artifact_id)
     if manifest.tuning is not None:
         return manifest.tuning
@@ -136,10 +145,13 @@ def download_blob(
     store: StoreDep,
     settings: SettingsDep,
     http: Request,
+    principal: ReaderPrincipal,
     range_header: str | None = Header(None, alias="Range"),
 ):
     """Streams the blob (HTTP Range supported, for resumable pulls); with an S3 store,
-    redirects to a presigned URL so the bytes never pass through the API."""
+    redirects to a presigned URL so the bytes never pass through the API. An agent downloads
+    only the artifacts of its desired state."""
+    check_artifact_access(http, session, principal, artifact_id)
     manifest = repo.get_manifest(session, artifact_id=artifact_id)
     try:
         ref = manifest.blob(blob)

@@ -9,6 +9,7 @@ from fastapi import APIRouter, File, Header, Request, Response, UploadFile, stat
 from schemas import BlobRef
 from schemas.errors import IntegrityError, InvalidRequest
 from schemas.plugins import PluginInfo
+from services.api.access import check_plugin_access
 from services.api.deps import AdminPrincipal, ReaderPrincipal, SessionDep, SettingsDep, StoreDep
 from services.api.gate import BODY_LIMIT
 from services.api.inspection import inspect_plugin_bundle
@@ -55,16 +56,20 @@ def list_plugins(session: SessionDep, _: ReaderPrincipal) -> list[PluginInfo]:
 
 
 @router.get("/{name}/{version}", response_model=PluginInfo)
-def get_plugin(name: str, version: str, session: SessionDep, _: ReaderPrincipal) -> PluginInfo:
+def get_plugin(name: str, version: str, session: SessionDep, principal: ReaderPrincipal,
+               http: Request) -> PluginInfo:
+    check_plugin_access(http, session, principal, name, version)  # an agent: what it runs
     return repo.get_plugin(session, name=name, version=version)
 
 
 @router.get("/{name}/{version}/bundle", responses=DOWNLOAD_RESPONSES)
 def download_bundle(
     name: str, version: str, session: SessionDep, store: StoreDep, settings: SettingsDep,
-    _: ReaderPrincipal, range_header: str | None = Header(None, alias="Range"),
+    principal: ReaderPrincipal, http: Request,
+    range_header: str | None = Header(None, alias="Range"),
 ):
     """The bundle archive (its sha256 is the plugin's digest)."""
+    check_plugin_access(http, session, principal, name, version)  # an agent: what it runs
     info = repo.get_plugin(session, name=name, version=version)
     ref = BlobRef(name="plugin", sha256=info.digest, size=info.size_bytes,
                   media_type=BUNDLE_MEDIA_TYPE)
