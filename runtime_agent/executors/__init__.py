@@ -19,6 +19,7 @@ from runtime_agent.executors.base import (
     blob_filename,
 )
 from runtime_agent.executors.onnxruntime import OnnxRuntimeExecutor
+from runtime_agent.executors.openvino import OpenVinoExecutor
 from runtime_agent.executors.tensorrt import TensorRTExecutor
 from runtime_agent.plugins import LoadedPlugin, load_bundle
 from schemas.errors import BackendUnavailable, NotFound
@@ -31,6 +32,7 @@ __all__ = [
     "CustomOpAdapter",
     "Executor",
     "OnnxRuntimeExecutor",
+    "OpenVinoExecutor",
     "TensorRTExecutor",
     "blob_filename",
     "get",
@@ -168,3 +170,4 @@ def load_plugins(manifest: ArtifactManifest, bundles: Mapping[str, Path],
 register(OnnxRuntimeExecutor.backend, OnnxRuntimeExecutor)
 register(TensorRTExecutor.backend, TensorRTExecutor)
 register(AOTInductorExecutor.backend, AOTInductorExecutor)
+register(OpenVinoExecutor.backend, OpenVinoExecutor)

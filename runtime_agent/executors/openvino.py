@@ -1,0 +1,279 @@
+"""Executor twin of ``compiler_worker.backends.openvino``: imports an OpenVINO compiled blob.
+
+The engine blob is what ``CompiledModel.export_model`` wrote on the build host: the model as
+the CPU plugin compiled it. ``Core.import_model`` loads it without compiling again. OpenVINO
+writes into the blob's header the runtime version and the CPU ISA it was compiled for, and
+its CPU plugin refuses a blob of any other version (patch releases included) or ISA.
+``openvino`` is imported here when an engine loads, and nowhere else in the runtime; the keys
+and compatibility rules below are plain Python and read only the fingerprint (the version
+comes from package metadata).
+
+Keys. ``ov-cpu-<ISA class>[-<features>]-ov<version>``, e.g.
+``ov-cpu-x86-64-v4-amx-bf16-fp16-vnni-ov2026.4.1``: the x86-64 level (or the aarch64 class)
+and each ISA extension that gives the CPU plugin other kernels (``kernel_features``: AMX,
+AVX-512 BF16, AVX-512 FP16, AVX-512 VNNI, AVX-VNNI; on aarch64 bf16, i8mm, fp16, sve), and the
+full OpenVINO version. There is no compatibility key: a compiled blob runs only where both
+match exactly.
+
+``runtime_config`` keys (written by the backend):
+
+- ``openvino_version``: the version that compiled the blob; ``cpu_class`` and
+  ``cpu_features``: the build host's ISA class and ``kernel_features``; ``cpu_isa``: the ISA
+  OpenVINO wrote into the blob's header. All are checked before the import (``check_node``),
+  and the refusal names both sides (``FingerprintMismatch``).
+- ``properties``: the compile properties the import must be given again. The CPU plugin's blob
+  does not keep them: a blob compiled with ``INFERENCE_PRECISION_HINT: f32`` and imported
+  without it on a CPU with AMX or AVX-512 BF16 runs in bf16 (that plugin's default there),
+  which is not the engine that was verified.
+- ``input_names`` / ``output_names``: the compiled model's ports, in order.
+- ``precision``, ``performance_hint``, ``device`` (``CPU``).
+
+Threads: no thread count is frozen into an engine. OpenVINO sizes its thread pool to the node
+it runs on (its own cores), under the performance hint the engine was tuned with.
+
+Intel GPUs (OpenVINO's ``GPU`` device) are out of scope: engines are built and run on ``CPU``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from runtime_agent.executors.base import Executor
+from runtime_agent.fingerprint import (
+    detect_cpu,
+    isa_class,
+    package_version,
+    slug,
+    version_tuple,
+)
+from schemas.errors import BackendUnavailable, FingerprintMismatch, InvalidRequest
+from schemas.fingerprint import CpuInfo, HardwareFingerprint
+
+logger = logging.getLogger(__name__)
+
+#: Media type of a compiled model exported by ``CompiledModel.export_model``.
+ENGINE_MEDIA_TYPE = "application/x-openvino-compiled"
+#: The OpenVINO device engines are built for and run on.
+DEVICE = "CPU"
+SUPPORTED_ARCHES = ("x86_64", "aarch64")
+#: CPU features (``/proc/cpuinfo`` spelling, as ``CpuInfo.features`` holds them) that select
+#: other CPU-plugin kernels beyond the ISA class, and their short names in the key.
+X86_KERNEL_FEATURES = {
+    "amx_bf16": "amx",
+    "avx512_bf16": "bf16",
+    "avx512_fp16": "fp16",
+    "avx512_vnni": "vnni",
+    "avx_vnni": "avxvnni",
+}
+ARM_KERNEL_FEATURES = {"bf16": "bf16", "i8mm": "i8mm", "fp16": "fp16", "sve": "sve"}
+#: The properties ``runtime_config["properties"]`` may carry to ``import_model``.
+IMPORT_PROPERTIES = frozenset({"INFERENCE_PRECISION_HINT", "PERFORMANCE_HINT",
+                               "EXECUTION_MODE_HINT", "NUM_STREAMS", "INFERENCE_NUM_THREADS"})
+
+
+def openvino_version(fingerprint: HardwareFingerprint) -> str | None:
+    """The full OpenVINO version (``2026.4.1``) of a fingerprint; ``None`` without one."""
+    parts = version_tuple(fingerprint.runtimes.get("openvino"))
+    return ".".join(str(p) for p in parts[:3]) if len(parts) >= 2 else None
+
+
+def kernel_features(cpu: CpuInfo) -> list[str]:
+    """The ISA extensions beyond ``isa_class`` that give OpenVINO's CPU plugin other kernels,
+    by their short names, sorted: ``["amx", "bf16", "fp16", "vnni"]`` on a Sapphire Rapids."""
+    features = {f.lower() for f in cpu.features}
+    table = X86_KERNEL_FEATURES if cpu.arch == "x86_64" else (
+        ARM_KERNEL_FEATURES if cpu.arch == "aarch64" else {})
+    found = {short for name, short in table.items() if name in features}
+    if cpu.arch == "x86_64" and "amx" in found and not {"amx_tile", "amx_int8"} <= features:
+        found.discard("amx")  # AMX kernels need the tile unit and both data types
+    return sorted(found)
+
+
+def kernel_class(cpu: CpuInfo) -> str:
+    """``<ISA class>[-<features>]``: the CPU part of the key."""
+    return "-".join([isa_class(cpu), *kernel_features(cpu)])
+
+
+def has_bf16(cpu: CpuInfo) -> bool:
+    """Whether the CPU computes bf16 natively (AMX-BF16 or AVX-512 BF16; bf16 on aarch64):
+    where OpenVINO's bf16 inference precision is worth a candidate."""
+    return bool({"amx", "bf16"} & set(kernel_features(cpu)))
+
+
+def blob_header(blob: bytes) -> tuple[str, str] | None:
+    """(OpenVINO version, ISA description) from the header ``export_model`` writes: a
+    little-endian 64-bit length, then ``meta=1.0;ov=2026.4.1;isa=Intel AVX10.1 ...``;
+    ``None`` when the blob has none."""
+    start = blob.find(b"meta=", 0, 4096)
+    if start < 8:
+        return None
+    length = int.from_bytes(blob[start - 8:start], "little")
+    if not 0 < length <= 4096:
+        return None
+    fields = dict(part.partition("=")[::2] for part in
+                  blob[start:start + length].decode(errors="replace").split(";"))
+    if "ov" not in fields:
+        return None
+    return fields["ov"], fields.get("isa", "")
+
+
+class OpenVinoExecutor(Executor):
+    """Imports ``engine`` (an exported compiled model) with ``openvino.Core.import_model``."""
+
+    backend = "openvino"
+    runtime = "openvino"
+    platform = "openvino"
+    media_types = {ENGINE_MEDIA_TYPE: ".ovblob"}
+    #: Below onnxruntime: an agent serves onnxruntime's key first when a deployment names no
+    #: backend (the worker's tuner races OpenVINO's candidates within that job).
+    preference = 8
+
+    @classmethod
+    def probe_version(cls) -> str | None:
+        return package_version("openvino")
+
+    # -- keys and compatibility (pure; tested) ---------------------------------------------
+
+    @classmethod
+    def supports(cls, fingerprint: HardwareFingerprint) -> bool:
+        return fingerprint.cpu.arch in SUPPORTED_ARCHES and openvino_version(
+            fingerprint) is not None
+
+    @classmethod
+    def fingerprint_key(cls, fingerprint: HardwareFingerprint) -> str:
+        """``ov-cpu-<ISA class>[-<features>]-ov<version>``."""
+        version = openvino_version(fingerprint)
+        if version is None or fingerprint.cpu.arch not in SUPPORTED_ARCHES:
+            raise BackendUnavailable(
+                f"the {cls.backend} backend supports {list(SUPPORTED_ARCHES)} CPUs with an "
+                f"OpenVINO version; the fingerprint has arch {fingerprint.cpu.arch!r} and "
+                f"runtimes.openvino={fingerprint.runtimes.get('openvino')!r}",
+                backend=cls.backend)
+        return slug(f"ov-cpu-{kernel_class(fingerprint.cpu)}-ov{version}")
+
+    @classmethod
+    def compatible(
+        cls,
+        built_on: HardwareFingerprint,
+        node: HardwareFingerprint,
+        runtime_config: Mapping[str, object] | None = None,
+    ) -> bool:
+        """Only the exact key: OpenVINO imports a blob only under the version and ISA that
+        compiled it."""
+        return (cls.supports(built_on) and cls.supports(node)
+                and cls.fingerprint_key(built_on) == cls.fingerprint_key(node))
+
+    # -- loading and running -----------------------------------------------------------------
+
+    def check_node(self, version: str, cpu: CpuInfo) -> None:
+        """Refuse, before importing, a blob this node's OpenVINO would not import: another
+        OpenVINO version, or another ISA class or kernel features. Names both sides."""
+        config = self.manifest.runtime_config
+        built = str(config.get("openvino_version") or openvino_version(
+            self.manifest.build_fingerprint) or "")
+        here = ".".join(str(p) for p in version_tuple(version)[:3])
+        if not built or version_tuple(built)[:3] != version_tuple(here)[:3]:
+            raise FingerprintMismatch(
+                f"artifact {self.manifest.artifact_id} is an OpenVINO blob compiled by OpenVINO "
+                f"{built or 'of an unrecorded version'}; this node runs OpenVINO {here}. A "
+                f"compiled blob imports only under the version that compiled it; the node "
+                f"needs an engine built for its own key",
+                artifact_id=self.manifest.artifact_id, blob_openvino=built, node_openvino=here)
+        features = config.get("cpu_features")
+        want_features = (sorted(str(f) for f in features) if isinstance(features, list)
+                         else kernel_features(self.manifest.build_fingerprint.cpu))
+        want = "-".join([str(config.get("cpu_class") or isa_class(
+            self.manifest.build_fingerprint.cpu)), *want_features])
+        have = kernel_class(cpu)
+        if want != have:
+            raise FingerprintMismatch(
+                f"artifact {self.manifest.artifact_id} is an OpenVINO blob compiled for CPU "
+                f"{want} ({config.get('cpu_isa') or 'ISA not recorded'}); this node's CPU is "
+                f"{have}. OpenVINO's CPU plugin imports a blob only on the ISA it was compiled "
+                f"for", artifact_id=self.manifest.artifact_id, blob_cpu=want, node_cpu=have)
+
+    def _load(self) -> None:
+        try:
+            import openvino as ov
+        except ImportError as exc:
+            raise BackendUnavailable(
+                f"the {self.backend!r} executor needs openvino, which is not installed on this "
+                f"node: {exc}", backend=self.backend) from exc
+        self.check_node(package_version("openvino") or ov.__version__, detect_cpu())
+        config = self.manifest.runtime_config
+        properties = dict(config.get("properties") or {})
+        unknown = sorted(set(properties) - IMPORT_PROPERTIES)
+        if unknown:
+            raise InvalidRequest(
+                f"runtime_config.properties of artifact {self.manifest.artifact_id} names "
+                f"{unknown}; the {self.backend} executor applies {sorted(IMPORT_PROPERTIES)}")
+        path = self.blob_path("engine")
+        blob = path.read_bytes()
+        core = ov.Core()
+        try:
+            self._compiled = core.import_model(io.BytesIO(blob), DEVICE,
+                                               {k: str(v) for k, v in properties.items()})
+        except Exception as exc:  # OpenVINO raises its own untyped errors
+            text = str(exc)
+            if "Cannot import compiled blob" in text or "runtime configuration" in text:
+                header = blob_header(blob)
+                raise FingerprintMismatch(
+                    f"OpenVINO {ov.__version__} on this node refuses the compiled blob of "
+                    f"artifact {self.manifest.artifact_id} (compiled by OpenVINO "
+                    f"{header[0] if header else '?'} for "
+                    f"{header[1] if header else 'an unrecorded ISA'}): "
+                    f"{text.strip().splitlines()[-3:]}",
+                    artifact_id=self.manifest.artifact_id) from exc
+            raise BackendUnavailable(
+                f"OpenVINO {ov.__version__} could not import {path} of artifact "
+                f"{self.manifest.artifact_id}: {type(exc).__name__}: {text}"[:2000],
+                artifact_id=self.manifest.artifact_id) from exc
+        ports_in = [port.get_any_name() for port in self._compiled.inputs]
+        names = config.get("input_names")
+        self._input_names = [str(n) for n in names] if isinstance(names, list) else ports_in
+        outs = config.get("output_names")
+        self._ports_out = ([str(n) for n in outs] if isinstance(outs, list)
+                           else [port.get_any_name() for port in self._compiled.outputs])
+        if sorted(self._input_names) != sorted(self._inputs) or len(ports_in) != len(
+                self._input_names):
+            raise BackendUnavailable(
+                f"the OpenVINO blob of artifact {self.manifest.artifact_id} takes inputs "
+                f"{self._input_names}; the manifest lists {sorted(self._inputs)}")
+        if len(self._ports_out) != len(self._output_names) or len(
+                self._compiled.outputs) != len(self._output_names):
+            raise BackendUnavailable(
+                f"the OpenVINO blob of artifact {self.manifest.artifact_id} has "
+                f"{len(self._compiled.outputs)} outputs; the manifest lists "
+                f"{self._output_names}")
+        self._local = threading.local()
+        logger.debug("imported %s (%s)", path, properties)
+
+    def _request(self) -> Any:
+        """This thread's infer request (a request holds one run's tensors: one per thread,
+        so concurrent callers run in OpenVINO's streams side by side)."""
+        try:
+            return self._local.request
+        except AttributeError:
+            self._local.request = self._compiled.create_infer_request()
+            return self._local.request
+
+    def _run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        request = self._request()
+        try:
+            # share_outputs=False: the arrays returned outlive the request's next run.
+            results = request.infer([inputs[name] for name in self._input_names],
+                                    share_inputs=True, share_outputs=False)
+        except Exception as exc:  # OpenVINO raises its own untyped errors
+            raise InvalidRequest(
+                f"the inputs match the signature of artifact {self.manifest.artifact_id}, but "
+                f"OpenVINO could not run them: {type(exc).__name__}: {exc}",
+                artifact_id=self.manifest.artifact_id) from exc
+        values = list(results.values())
+        return {name: np.asarray(value) for name, value in
+                zip(self._output_names, values, strict=True)}
