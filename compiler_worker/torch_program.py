@@ -16,15 +16,18 @@ a fixed size there), ``InvalidOptions`` names the input, the axis and torch's re
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from schemas.errors import CompileError, InvalidModel, InvalidOptions
+from schemas.errors import CompileError, InvalidModel, InvalidOptions, KilnError
 from schemas.manifest import TensorSpec
 from schemas.options import CompileOptions
 from schemas.torch_export import inspect_export_archive
@@ -45,18 +48,87 @@ class LoadedProgram:
 
 
 def load_program(path: Path) -> LoadedProgram:
-    """Check ``path`` like the API did, then ``torch.export.load`` it."""
+    """Check ``path`` like the API did, then ``torch.export.load`` it with every unsafe
+    deserializer shut (``safe_export_load``)."""
     info = inspect_export_archive(Path(path))
     import torch
 
     try:
-        program = torch.export.load(str(path))
+        program = safe_export_load(Path(path))
+    except KilnError:
+        raise
     except Exception as exc:  # torch raises its own untyped errors
         raise InvalidModel(
             f"torch {torch.__version__} cannot load the torch.export archive: "
             f"{type(exc).__name__}: {exc}"[:2000]) from exc
     return LoadedProgram(path=Path(path), inputs=info.inputs, outputs=info.outputs,
                          program=program, dynamic_axes={})
+
+
+class _UnsafeLoad(InvalidModel):
+    """What the guarded deserializers raise. Not a ``RuntimeError``: ``torch.export.load``
+    swallows those from its loader and retries the archive as an older format."""
+
+
+def _refuse_unsafe(what: str) -> Callable[..., Any]:
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise _UnsafeLoad(
+            f"loading the torch.export archive asked for {what}, which can run code; Kiln "
+            f"loads programs only with torch's weights-only unpickler (the archive's tensors "
+            f"and sample inputs must be plain tensors)", unsafe_load=what)
+    return refuse
+
+
+@contextlib.contextmanager
+def _unsafe_loads_shut() -> Iterator[None]:
+    """While ``torch.export.load`` runs, every way it has to run code from the archive
+    raises ``InvalidModel``. In torch 2.13 those are: ``torch.load(weights_only=False)``
+    (``_export.serde.serialize.deserialize_torch_artifact`` retries with it when the
+    weights-only load of the sample inputs fails; pickled weights and constants use it),
+    ``pickle.loads`` (opaque-object constants), ``torch._C._pickle_load_obj`` (script-object
+    constants) and AOTInductor libraries packaged in the archive (``_load_aoti``). The
+    structural check refuses archives that would reach them; this makes the load itself
+    unable to, whatever the check misses. ``torch.load`` is wrapped for the whole process
+    while the load runs (the build step's child loads one program at a time)."""
+    import torch
+    from torch.export.pt2_archive import _package
+
+    original_load = torch.load
+
+    def weights_only_load(*args: Any, weights_only: bool | None = None, **kwargs: Any) -> Any:
+        if weights_only is False or kwargs.get("pickle_module") is not None:
+            _refuse_unsafe("torch.load(weights_only=False)")()
+        return original_load(*args, weights_only=True, **kwargs)
+
+    patches = [(torch, "load", weights_only_load),
+               (torch._C, "_pickle_load_obj", _refuse_unsafe("torch._C._pickle_load_obj")),
+               (_package, "pickle", SimpleNamespace(loads=_refuse_unsafe("pickle.loads"))),
+               (_package, "_load_aoti", _refuse_unsafe("an AOTInductor library"))]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    forced = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        # torch.load reads it at every call: weights-only even for a caller that asks not.
+        os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        if forced is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = forced
+
+
+def safe_export_load(path: Path) -> Any:
+    """``torch.export.load(path)`` that can never fall back to an unpickling able to run
+    code (``_unsafe_loads_shut``): such an archive is ``InvalidModel`` naming what it asked
+    for."""
+    import torch
+
+    with _unsafe_loads_shut():
+        return torch.export.load(str(path))
 
 
 def _dynamic_wanted(spec: TensorSpec, options: CompileOptions) -> list[int]:
