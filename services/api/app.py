@@ -42,6 +42,7 @@ from services.api.routers import (
     workers,
 )
 from services.api.sweeper import JobSweeper
+from services.api.transfers import SCRATCH_DIR, ScratchFolder
 from services.api.ui import browser_paths, install_error_pages
 from services.api.ui import router as ui_router
 from services.config import KilnSettings, get_settings
@@ -115,6 +116,8 @@ def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = T
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         threads.configure(app, settings)
+        # Upload files of this process, and the leftovers of API processes killed mid-upload.
+        app.state.scratch = ScratchFolder.open(settings.home.resolve() / SCRATCH_DIR)
         sweeper = None
         if settings.job_sweep_s > 0:
             sweeper = JobSweeper(app.state.session_factory, app.state.celery,
@@ -154,6 +157,7 @@ def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = T
             sweeper.stop()
         if collector is not None:
             collector.stop()
+        app.state.scratch.close()
 
     docs = bool(settings.api_docs)
     app = FastAPI(

@@ -118,7 +118,9 @@ def check_model_upload(received: list[tuple[str | None, Path]], dest: Path, *,
 
 def inspect_dataset(path: Path, *, settings: KilnSettings, max_bytes: int) -> list[TensorSpec]:
     """``schemas.datasets.inspect_npz`` in a child."""
-    with tempfile.TemporaryDirectory(prefix="kiln-inspect-") as scratch:
+    # Beside the upload: in the serving process's folder for an upload's files, which the
+    # next API to start removes if this one is killed (services.api.transfers.ScratchFolder).
+    with tempfile.TemporaryDirectory(prefix="kiln-inspect-", dir=Path(path).parent) as scratch:
         answer = _inspect(
             "dataset_child", {"path": str(Path(path).resolve()), "max_bytes": max_bytes},
             scratch=Path(scratch), settings=settings, stage="inspect_dataset",
@@ -128,7 +130,9 @@ def inspect_dataset(path: Path, *, settings: KilnSettings, max_bytes: int) -> li
 
 def inspect_plugin_bundle(path: Path, *, settings: KilnSettings) -> PluginManifest:
     """``artifact_store.bundles.read_bundle`` in a child: the bundle's manifest."""
-    with tempfile.TemporaryDirectory(prefix="kiln-inspect-") as scratch:
+    # Beside the upload: in the serving process's folder for an upload's files, which the
+    # next API to start removes if this one is killed (services.api.transfers.ScratchFolder).
+    with tempfile.TemporaryDirectory(prefix="kiln-inspect-", dir=Path(path).parent) as scratch:
         answer = _inspect(
             "bundle_child", {"path": str(Path(path).resolve())},
             scratch=Path(scratch), settings=settings, stage="inspect_plugin",

@@ -92,6 +92,7 @@ from services.api.auth import Principal, Role, check_worker_key
 from services.api.deps import RoleDep, SessionDep, SettingsDep, SignerDep, StoreDep
 from services.api.gate import BODY_LIMIT
 from services.api.threads import run_slow
+from services.api.transfers import scratch_of
 from services.db import repo
 from services.db.tables import utcnow
 from services.integrity import usable_artifact
@@ -205,7 +206,7 @@ async def upload_blob(
     await run_in_threadpool(_claimed_job, session, principal, job_id, x_kiln_claim,
                             settings.secret_key)
     session.rollback()  # no transaction held open while the body streams
-    fd, tmp = tempfile.mkstemp(prefix="kiln-build-blob-")
+    fd, tmp = tempfile.mkstemp(prefix="kiln-build-blob-", dir=scratch_of(request))
     try:
         digest = hashlib.sha256()
         with os.fdopen(fd, "wb") as f:

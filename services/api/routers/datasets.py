@@ -25,7 +25,7 @@ from services.api.deps import (
 from services.api.gate import BODY_LIMIT
 from services.api.inspection import inspect_dataset
 from services.api.threads import committed, run_slow
-from services.api.transfers import received_upload
+from services.api.transfers import received_upload, scratch_of
 from services.db import repo
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ async def upload_dataset(
     Validated from its headers first (no pickles, no absurd shapes, within the size limit), in
     a bounded child."""
     limit = min(settings.max_dataset_bytes, settings.max_upload_bytes)
-    async with received_upload(file, max_bytes=limit, what="an .npz dataset",
+    async with received_upload(file, scratch=scratch_of(http), max_bytes=limit,
+                               what="an .npz dataset",
                                limit_name="KILN_MAX_DATASET_BYTES") as (path, size):
         tensors = await run_slow(http, inspect_dataset, path, settings=settings,
                                  max_bytes=limit)

@@ -36,7 +36,7 @@ from services.api.enqueue import enqueue_jobs
 from services.api.gate import BODY_ERROR, BODY_LIMIT
 from services.api.inspection import check_model_upload
 from services.api.threads import committed, run_slow
-from services.api.transfers import received_upload
+from services.api.transfers import received_upload, scratch_of
 from services.db import repo
 
 logger = logging.getLogger(__name__)
@@ -72,11 +72,12 @@ async def upload_model(
         remaining = settings.max_upload_bytes
         for upload in file:
             path, size = await stack.enter_async_context(received_upload(
-                upload, max_bytes=remaining, what="the model's files",
+                upload, scratch=scratch_of(http), max_bytes=remaining, what="the model's files",
                 empty_error=InvalidModel, too_large=ModelTooLarge))
             remaining -= size
             received.append((upload.filename, path))
-        blob = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kiln-model-")))
+        blob = Path(stack.enter_context(tempfile.TemporaryDirectory(
+            prefix="kiln-model-", dir=scratch_of(http))))
         blob = blob / "model"
         checked = await run_slow(http, check_model_upload, received, blob, settings=settings)
         size = blob.stat().st_size

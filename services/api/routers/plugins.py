@@ -14,7 +14,12 @@ from services.api.deps import AdminPrincipal, ReaderPrincipal, SessionDep, Setti
 from services.api.gate import BODY_LIMIT
 from services.api.inspection import inspect_plugin_bundle
 from services.api.threads import committed, run_slow
-from services.api.transfers import DOWNLOAD_RESPONSES, blob_response, received_upload
+from services.api.transfers import (
+    DOWNLOAD_RESPONSES,
+    blob_response,
+    received_upload,
+    scratch_of,
+)
 from services.db import repo
 
 router = APIRouter(prefix="/v1/plugins", tags=["plugins"])
@@ -32,7 +37,8 @@ async def push_plugin(
 ) -> PluginInfo:
     """Register a bundle built by ``kiln plugin build``. It is validated completely first
     (manifest, confined paths, file digests), in a bounded child; a version is immutable."""
-    async with received_upload(file, max_bytes=settings.max_upload_bytes,
+    async with received_upload(file, scratch=scratch_of(http),
+                               max_bytes=settings.max_upload_bytes,
                                what="a plugin bundle archive") as (path, _size):
         try:
             manifest = await run_slow(http, inspect_plugin_bundle, path, settings=settings)
