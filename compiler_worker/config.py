@@ -54,6 +54,12 @@ class WorkerSettings(SharedSettings):
     sandbox_file_bytes: int = Field(8 * 1024**3, ge=1024**2)
     #: Open files of that child.
     sandbox_open_files: int = Field(4096, ge=64)
+    #: The host-wide lock file builds take turns on to time engines (one benchmark at a time
+    #: per host: every worker and ``kiln agent --build`` there, and ``kiln compile``, must
+    #: name the same file); unset: ``/dev/shm/kiln-benchmark.lock`` (else in the system's
+    #: temporary folder). A sandboxed build only reads it: keep it outside ``/tmp``, which a
+    #: build sees as its own.
+    benchmark_lock: Path | None = None
     #: Port of the worker's `/healthz` and `/readyz` (broker, API); unset: none.
     worker_health_port: int | None = Field(None, ge=0, le=65535)
     #: Address the worker's health endpoint listens on.

@@ -50,6 +50,7 @@ from schemas.errors import (
 from schemas.manifest import ArtifactManifest
 from schemas.options import CompileOptions
 from schemas.plugins import PluginRef
+from schemas.torch_export import model_format
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class JobRunner:
     def __init__(self, settings: WorkerSettings, *, builds: BuildClient | None = None) -> None:
         self.settings = settings
         #: Parsing, plugin code and building run in bounded children, never in this process.
-        self.sandbox = Sandbox(limits_from(settings))
+        self.sandbox = Sandbox(limits_from(settings), benchmark_lock=settings.benchmark_lock)
         #: The last stage reported per job (named when a job runs past its time limit).
         self._last_stage: dict[str, str] = {}
         if builds is not None:
@@ -226,7 +227,8 @@ class JobRunner:
         plugins = self._plugins(job_id, model_bytes, workdir)
         try:
             plan = plan_build(model_id, options, self.fingerprint, key=fingerprint_key,
-                              plugins=[ref for ref, _ in plugins])
+                              plugins=[ref for ref, _ in plugins],
+                              model_format=model_format(model_bytes))
         except BackendUnavailable as exc:
             raise FingerprintMismatch(
                 f"job {job_id} targets {fingerprint_key!r}, which this worker does not "

@@ -35,7 +35,7 @@ from artifact_store.digest import sha256_file
 from artifact_store.signing import manifest_from_bytes
 from compiler_worker import backends
 from compiler_worker.backends.base import PIPELINE_VERSION, Backend, BuiltEngine, Candidate
-from compiler_worker.benchmark import benchmark
+from compiler_worker.benchmark import benchmark, host_lock
 from compiler_worker.golden import add_golden
 from compiler_worker.inputs import generated_inputs_source, input_ranges
 from compiler_worker.modelio import load_model, materialize_model, save_model, signature
@@ -59,6 +59,7 @@ from schemas.errors import (
     IntegrityError,
     InvalidOptions,
     InvalidRequest,
+    KilnError,
     ModelCheckFailed,
     UnknownOperator,
 )
@@ -66,7 +67,7 @@ from schemas.fingerprint import HardwareFingerprint
 from schemas.jobs import JobStage
 from schemas.manifest import ArtifactManifest, BenchmarkResult, TensorSpec, VerificationResult
 from schemas.onnx_model import custom_ops
-from schemas.options import CompileOptions, ShapeProfile
+from schemas.options import CompileOptions, ShapeProfile, Tune
 from schemas.plugins import PluginManifest, PluginRef
 from schemas.torch_export import TORCH_EXPORT_FORMAT, model_format
 from schemas.tuning import TuningTable
@@ -120,6 +121,15 @@ class BuildPlan:
     fingerprint_key: str
     toolchain: str
     artifact_id: str
+    #: Other backends of this hardware whose candidates compete in the same tuning (the
+    #: winner's backend is the manifest's); their toolchains are part of ``toolchain``.
+    peers: tuple[Backend, ...] = ()
+    #: Each backend's own toolchain string, by name (``backend`` and every peer).
+    toolchains: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def backends(self) -> tuple[Backend, ...]:
+        return (self.backend, *self.peers)
 
 
 def artifact_id_for(
@@ -153,6 +163,35 @@ def _toolchain(backend_toolchain: str, disabled_passes: frozenset[str],
     return toolchain
 
 
+def peers_for(backend: Backend, fingerprint: HardwareFingerprint, options: CompileOptions,
+              model_format: str | None = None) -> tuple[Backend, ...]:
+    """The backends whose candidates compete with ``backend``'s in one tuning: registered,
+    on the same device, supporting ``fingerprint``, taking ``model_format`` (as it is or by
+    converting it), accepting ``options``, and named in ``options.backends`` when the user
+    named any. None when ``options.tune`` is off (only the default is built). Sorted by name,
+    so a worker and its sandboxed child plan the same artifact."""
+    if options.tune is not Tune.AUTO:
+        return ()
+    found = []
+    for other in backends.available():
+        if other.name == backend.name or other.device != backend.device:
+            continue
+        if options.backends and other.name not in options.backends:
+            continue
+        if model_format is not None and model_format not in other.model_formats:
+            continue
+        if not other.supports(fingerprint):
+            continue
+        try:
+            other.check_options(options)
+            other.toolchain()
+        except KilnError as exc:
+            logger.debug("backend %s does not compete here: %s", other.name, exc.message)
+            continue
+        found.append(other)
+    return tuple(sorted(found, key=lambda b: b.name))
+
+
 def plan_build(
     model_sha256: str,
     options: CompileOptions,
@@ -166,7 +205,8 @@ def plan_build(
     """Backend, fingerprint key, toolchain and artifact id for a compile, without building.
 
     ``key``: the fingerprint key the job was queued for (the backend is the one whose key it
-    is here); without it, the highest-priority backend that supports ``fingerprint``.
+    is here); without it, the highest-priority backend that supports ``fingerprint``. Its
+    ``peers`` (``peers_for``) tune beside it; their toolchains join the plan's.
     ``plugins``: the plugin bundles providing the model's custom ops (their digests are part of
     the toolchain). A caller looks the artifact id up in its store first: same key, same
     artifact. Computed once per job and handed to ``compile_model``. ``model_format``
@@ -174,12 +214,19 @@ def plan_build(
     """
     backend = backends.backend_for(fingerprint, options, key, model_format=model_format)
     own_key = backend.fingerprint_key(fingerprint)
-    toolchain = _toolchain(backend.toolchain(), frozenset(disabled_passes), plugins)
+    peers = peers_for(backend, fingerprint, options, model_format or "onnx")
+    toolchains = {b.name: b.toolchain() for b in (backend, *peers)}
+    built_by = toolchains[backend.name]
+    if peers:  # an engine of any of them may win: each one's version is part of the key
+        built_by += "+with-" + ",".join(toolchains[p.name] for p in peers)
+    toolchain = _toolchain(built_by, frozenset(disabled_passes), plugins)
     return BuildPlan(
         backend=backend,
         fingerprint_key=own_key,
         toolchain=toolchain,
         artifact_id=artifact_id_for(model_sha256, options.digest(), own_key, toolchain),
+        peers=peers,
+        toolchains=toolchains,
     )
 
 
@@ -322,6 +369,7 @@ def compile_model(
     samples: Mapping[str, np.ndarray] | None = None,
     calibration: Mapping[str, np.ndarray] | None = None,
     reuse: TuningTable | None = None,
+    benchmark_lock: Path | None = None,
 ) -> CompileResult:
     """Compile ONNX bytes into the fastest verified engine for hardware like ``fingerprint``.
 
@@ -332,6 +380,8 @@ def compile_model(
     of the datasets ``options.samples`` / ``options.calibration`` name (sample ``i`` of input
     ``x`` is ``samples["x"][i]``); without samples, inputs are generated to fit the graph.
     ``reuse``: an earlier tuning record for the same cache key (only its winner is built).
+    ``benchmark_lock``: the host-wide lock file every timing waits for (default: the host's,
+    ``compiler_worker.benchmark.default_lock_path``).
 
     Raises ``InvalidModel``, ``ModelCheckFailed``, ``UnsupportedOpset``, ``InvalidOptions``,
     ``BackendUnavailable``, ``UnknownOperator``, ``PluginError`` (``NoImplementation``,
@@ -344,7 +394,8 @@ def compile_model(
     try:
         return _compile(model_bytes, options, fingerprint=fingerprint, workdir=Path(workdir),
                         on_stage=on_stage, disabled_passes=disabled_passes, plugins=plugins,
-                        plan=plan, samples=samples, calibration=calibration, reuse=reuse)
+                        plan=plan, samples=samples, calibration=calibration, reuse=reuse,
+                        benchmark_lock=benchmark_lock)
     except BaseException:
         # A failed compile leaves no plugin module imported.
         for name in [n for n in sys.modules if n not in before and n.startswith("_kiln_plugin_")]:
@@ -400,6 +451,7 @@ def _compile(
     samples: Mapping[str, np.ndarray] | None,
     calibration: Mapping[str, np.ndarray] | None,
     reuse: TuningTable | None,
+    benchmark_lock: Path | None,
 ) -> CompileResult:
     stages = _Stages(on_stage)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -421,7 +473,8 @@ def _compile(
         return _compile_program(
             model_bytes, model_sha256, options, fingerprint=fingerprint, workdir=workdir,
             stages=stages, backend=backend, disabled=disabled, plugins=plugins, plan=plan,
-            samples=samples, calibration=calibration, reuse=reuse)
+            samples=samples, calibration=calibration, reuse=reuse,
+            benchmark_lock=benchmark_lock)
     # A model archive (the .onnx and its external data) is unpacked, confined, into workdir.
     submitted = load_model(materialize_model(model_bytes, _fresh_dir(workdir / "model")))
     model_ops = custom_ops(submitted)
@@ -475,7 +528,8 @@ def _compile(
         plan=plan, disabled=disabled, used=used, passes_applied=list(passes.applied),
         model_path=prepared_path, inputs=inputs, outputs=outputs, feeds=feeds,
         expected=expected, reference=reference, source=source,
-        calibration_feeds=calibration_feeds, calibration_note=calibration_note, reuse=reuse)
+        calibration_feeds=calibration_feeds, calibration_note=calibration_note, reuse=reuse,
+        benchmark_lock=benchmark_lock, model_for=lambda _backend: prepared_path)
 
 
 def _compile_program(
@@ -493,6 +547,7 @@ def _compile_program(
     samples: Mapping[str, np.ndarray] | None,
     calibration: Mapping[str, np.ndarray] | None,
     reuse: TuningTable | None,
+    benchmark_lock: Path | None,
 ) -> CompileResult:
     """A ``torch.export`` program: checked and loaded here (never in the API), exported again
     with the profiles' dynamic axes where asked, verified against its eager module."""
@@ -554,7 +609,11 @@ def _compile_program(
         plan=plan, disabled=disabled, used=used, passes_applied=applied,
         model_path=model_path, inputs=inputs, outputs=outputs, feeds=feeds,
         expected=expected, reference=reference, source=source,
-        calibration_feeds=calibration_feeds, calibration_note="", reuse=reuse)
+        calibration_feeds=calibration_feeds, calibration_note="", reuse=reuse,
+        benchmark_lock=benchmark_lock,
+        model_for=lambda peer: peer.from_program(
+            prepared.program, prepared.path, _fresh_dir(workdir / f"convert-{peer.name}"),
+            inputs=inputs, outputs=outputs))
 
 
 def _tune_and_finish(
@@ -578,26 +637,32 @@ def _tune_and_finish(
     calibration_feeds: list[dict[str, np.ndarray]],
     calibration_note: str,
     reuse: TuningTable | None,
+    benchmark_lock: Path | None,
+    model_for: Callable[[Backend], Path],
 ) -> CompileResult:
-    """Tune the prepared model (ONNX or torch program) and make the unsigned result."""
-    def manifest_for(built: BuiltEngine, candidate: Candidate) -> ArtifactManifest:
+    """Tune the prepared model (ONNX or torch program) and make the unsigned result: the
+    plan's backend and its peers compete (``model_for``: the model file a peer builds)."""
+    def manifest_for(built: BuiltEngine, candidate: Candidate,
+                     backend: Backend) -> ArtifactManifest:
+        planned = plan.toolchains.get(backend.name)
+        if planned is None and backend.name == plan.backend.name:  # a plan made by hand
+            planned = built.toolchain
         toolchain = _toolchain(built.toolchain, disabled, used.refs)
-        if toolchain != plan.toolchain:
+        if built.toolchain != planned or (not plan.peers and toolchain != plan.toolchain):
             raise CompileError(
-                f"the backend built with toolchain {toolchain!r}, but the plan (and the "
-                f"artifact id) assumed {plan.toolchain!r}; is the worker's toolchain "
-                f"installation consistent?"
+                f"the {backend.name} backend built with toolchain {built.toolchain!r}, but the "
+                f"plan (and the artifact id {plan.artifact_id}, toolchain {plan.toolchain!r}) "
+                f"assumed {planned!r}; is the worker's toolchain installation consistent?"
             )
         return ArtifactManifest(
             artifact_id=plan.artifact_id,
             model_sha256=model_sha256,
             options_digest=options.digest(),
             options=options,
-            backend=plan.backend.name,
+            backend=backend.name,
             fingerprint_key=plan.fingerprint_key,
-            compatibility_key=plan.backend.compatibility_key(
-                fingerprint, dict(built.runtime_config)),
-            toolchain=toolchain,
+            compatibility_key=backend.compatibility_key(fingerprint, dict(built.runtime_config)),
+            toolchain=plan.toolchain,
             build_fingerprint=fingerprint,
             blobs=[],
             inputs=inputs,
@@ -622,11 +687,15 @@ def _tune_and_finish(
         toolchain=plan.toolchain, manifest_for=manifest_for, feeds=feeds, expected=expected,
         reference=reference.name, inputs=source, calibration=calibration_feeds,
         calibration_note=calibration_note, custom_ops=used.adapter, plugins=used.loaded,
-        reuse=reuse, on_stage=stages.enter,
+        reuse=reuse, on_stage=stages.enter, peers=plan.peers, model_for=model_for,
+        peers_skip=(f"the model's custom ops {sorted(used.ops)} are built by the "
+                    f"{plan.backend.name} backend only" if used.ops else ""),
+        benchmark_lock=benchmark_lock,
     )
     stages.enter(JobStage.BENCHMARKING)
     iterations = min(options.benchmark_iterations, 20)
-    reference_bench = benchmark(reference.run, feeds[0], iterations=iterations, warmup=1)
+    with host_lock(benchmark_lock, wait_s=max(1.0, options.tuning_budget_s)):
+        reference_bench = benchmark(reference.run, feeds[0], iterations=iterations, warmup=1)
     manifest = outcome.manifest.model_copy(update={
         "benchmark": outcome.manifest.benchmark.model_copy(
             update={"reference_p50_ms": reference_bench.p50_ms}),

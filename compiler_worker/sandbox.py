@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from artifact_store.sandbox import Limits, readable_in_child, run_sandboxed
+from compiler_worker.benchmark import ensure_lock_file
 from compiler_worker.config import WorkerSettings
 from compiler_worker.pipeline import BuildPlan, CompileResult, StageCallback
 from schemas.errors import CompileError, IntegrityError
@@ -55,10 +56,14 @@ def limits_from(settings: WorkerSettings) -> Limits:
 class Sandbox:
     """The worker's door to its bounded children."""
 
-    def __init__(self, limits: Limits, *, secrets: Sequence[Path | None] = ()) -> None:
+    def __init__(self, limits: Limits, *, secrets: Sequence[Path | None] = (),
+                 benchmark_lock: Path | None = None) -> None:
         """``secrets``: files no child may read (the signing key); each one a child could
-        read all the same (kept inside the import path) is named in a warning."""
+        read all the same (kept inside the import path) is named in a warning.
+        ``benchmark_lock``: the host-wide lock file a build's timing waits for (default: the
+        host's); the child only opens it for reading, so it is created here first."""
         self.limits = limits
+        self.benchmark_lock = benchmark_lock
         for secret in secrets:
             if secret is not None and limits.landlock and readable_in_child(secret):
                 logger.warning("sandbox: %s lies under a folder sandboxed builds may read (the "
@@ -110,6 +115,7 @@ class Sandbox:
             "calibration": None if calibration is None
             else _write(workdir, CALIBRATION_FILE, calibration).name,
             "reuse": None if reuse is None else reuse.model_dump(mode="json"),
+            "benchmark_lock": str(ensure_lock_file(self.benchmark_lock)),
         }
 
         def relay(event: dict[str, Any]) -> None:
@@ -124,7 +130,8 @@ class Sandbox:
             on_stage(stage, min(max(progress, 0.0), 1.0))
 
         answer = run_sandboxed(f"{__name__}:compile_child", args, scratch=workdir,
-                               limits=self.limits, stage=JobStage.LOADING.value, on_event=relay)
+                               limits=self.limits, stage=JobStage.LOADING.value, on_event=relay,
+                               readable=[Path(args["benchmark_lock"])])
         return _checked_result(answer, plan, options, workdir, plugins)
 
 
@@ -157,9 +164,12 @@ def _checked_result(answer: Any, plan: BuildPlan, options: CompileOptions, workd
     except ValueError as exc:
         raise CompileError(f"the build answered an invalid manifest: {exc}") from exc
     expected = {"artifact_id": plan.artifact_id, "fingerprint_key": plan.fingerprint_key,
-                "toolchain": plan.toolchain, "backend": plan.backend.name,
-                "options_digest": options.digest()}
+                "toolchain": plan.toolchain, "options_digest": options.digest()}
     got = {name: getattr(manifest, name) for name in expected}
+    # The job's backend or one of its peers: the fastest engine of any of them wins.
+    builders = [backend.name for backend in plan.backends]
+    if manifest.backend not in builders:
+        got["backend"], expected["backend"] = manifest.backend, " or ".join(builders)
     if got != expected:
         raise CompileError(f"the build answered a manifest for {got}; the job planned "
                            f"{expected}")
@@ -205,9 +215,11 @@ def compile_child(args: dict[str, Any], emit) -> dict[str, Any]:
                for p in args["plugins"]]
     disabled = frozenset(args["disabled_passes"])
     from schemas._canonical import sha256_hex
+    from schemas.torch_export import model_format
 
     plan = plan_build(sha256_hex(model_bytes), options, fingerprint, key=args["key"],
-                      disabled_passes=disabled, plugins=[ref for ref, _ in plugins])
+                      disabled_passes=disabled, plugins=[ref for ref, _ in plugins],
+                      model_format=model_format(model_bytes))
     if (plan.artifact_id, plan.toolchain) != (args["artifact_id"], args["toolchain"]):
         raise CompileError(
             f"the build plans artifact {plan.artifact_id} with toolchain {plan.toolchain!r}; "
@@ -218,6 +230,7 @@ def compile_child(args: dict[str, Any], emit) -> dict[str, Any]:
         disabled_passes=disabled, plugins=plugins, plan=plan,
         samples=dataset(args["samples"]), calibration=dataset(args["calibration"]),
         reuse=None if args["reuse"] is None else TuningTable.model_validate(args["reuse"]),
+        benchmark_lock=Path(args["benchmark_lock"]) if args.get("benchmark_lock") else None,
     )
     cwd = Path.cwd().resolve()
     return {"manifest": result.manifest.model_dump(mode="json"),

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from compiler_worker.backends.base import Backend, BuiltEngine, Candidate
+from compiler_worker.benchmark import CpuSampler, host_lock, sample_host
 from compiler_worker.verify import verification_result
 from runtime_agent.executors import Executor, blob_filename, load_executor
 from runtime_agent.executors.base import CustomOpAdapter
@@ -46,7 +47,14 @@ from schemas.fingerprint import HardwareFingerprint
 from schemas.jobs import JobStage
 from schemas.manifest import ArtifactManifest, BenchmarkResult, BlobRef, VerificationResult
 from schemas.options import AccuracyGate, AccuracyMetric, CompileOptions, Tune
-from schemas.tuning import CandidateOutcome, CandidateResult, TuningTable
+from schemas.tuning import (
+    CandidateOutcome,
+    CandidateResult,
+    HostSample,
+    NoiseReport,
+    ThreadPolicy,
+    TuningTable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +77,8 @@ class Trial:
     executor: Executor | None = None
     verification: VerificationResult | None = None
     timings: list[float] = field(default_factory=list)
+    #: The backend that builds it.
+    backend: Backend | None = None
 
 
 @dataclass
@@ -119,8 +129,8 @@ def _budget_left(started: float, budget_s: float) -> float:
     return budget_s - (time.perf_counter() - started)
 
 
-def _load(trial: Trial, root: Path, manifest_for: Callable[[BuiltEngine, Candidate],
-                                                           ArtifactManifest],
+def _load(trial: Trial, root: Path,
+          manifest_for: Callable[[BuiltEngine, Candidate, Backend], ArtifactManifest],
           plugins: Sequence[LoadedPlugin]) -> None:
     """Move the candidate's blobs into an artifact directory and load it like an agent."""
     assert trial.built is not None
@@ -135,7 +145,9 @@ def _load(trial: Trial, root: Path, manifest_for: Callable[[BuiltEngine, Candida
                       media_type=media_type)
         os.replace(path, artifact_dir / blob_filename(ref))
         refs.append(ref)
-    manifest = manifest_for(trial.built, trial.candidate).model_copy(update={"blobs": refs})
+    assert trial.backend is not None
+    manifest = manifest_for(trial.built, trial.candidate, trial.backend).model_copy(
+        update={"blobs": refs})
     trial.artifact_dir, trial.manifest = artifact_dir, manifest
     trial.executor = load_executor(artifact_dir, manifest, plugins)
 
@@ -164,44 +176,210 @@ def _judge(trial: Trial, options: CompileOptions, feeds: Sequence[Feed],
                                f"{gate.threshold:g})")
 
 
-#: A candidate whose warm call takes this many times the fastest one's is not benchmarked
-#: further: no round of noise closes such a gap, and it would eat the budget.
+#: Timed warm calls every candidate gets before any is pruned: one slow call (a page fault,
+#: a neighbour's burst) must not remove a candidate for good.
+SCREEN_CALLS = 3
+#: A candidate is pruned when even its fastest warm call takes more than this many times the
+#: slowest warm call of the fastest candidate: no round of noise closes such a gap, and it
+#: would eat the budget.
 PRUNE_RATIO = 3.0
+#: Above this share of the host's CPU spent by other processes, or this share stolen by the
+#: hypervisor, a measurement counts as taken on a busy host.
+BUSY_THRESHOLD = 0.25
+STEAL_THRESHOLD = 0.05
+#: Measurements after the first, when the host was busy or the finalists within noise.
+MAX_REMEASURES = 2
+#: Seconds the host is sampled, idle, before each measurement.
+HOST_SAMPLE_S = 0.1
+#: Shorter windows hold too few of the kernel's CPU-time ticks to say anything (a round of a
+#: tiny model lasts under a millisecond): they are recorded, and the whole measurement's
+#: window speaks for them.
+MIN_SAMPLE_S = 0.05
 
 
-def _benchmark(trials: list[Trial], feed: Feed, options: CompileOptions,
-               started: float) -> tuple[int, int]:
-    """Interleaved rounds over every trial; returns (rounds, iterations per trial). Trials far
-    slower than the fastest after warm-up are pruned (their one timing stays)."""
-    for trial in trials:  # warm up, and time one call to fit the budget
+def _thread_policy(trial: Trial) -> str:
+    config = trial.candidate.config
+    if "intra_op_num_threads" in config:
+        return f"threads={config['intra_op_num_threads']}"
+    return str(config.get("thread_policy", ThreadPolicy.DEFAULT.value))
+
+
+def _screen(trials: list[Trial], feed: Feed, protected: Trial | None = None) -> list[Trial]:
+    """Warm every trial up (one untimed call), then time ``SCREEN_CALLS`` calls of each,
+    interleaved; return those worth measuring. A trial is pruned only when its fastest warm
+    call is beyond ``PRUNE_RATIO`` times the slowest warm call of the fastest trial: a margin
+    beyond the spread both showed. ``protected`` (the default) is never pruned."""
+    for trial in trials:
         assert trial.executor is not None
         trial.executor.run(feed)
-        t0 = time.perf_counter()
-        trial.executor.run(feed)
-        trial.timings.append((time.perf_counter() - t0) * 1000.0)
-    fastest = min(t.timings[0] for t in trials)
-    for trial in [t for t in trials if t.timings[0] > PRUNE_RATIO * fastest]:
-        trial.result.reason = (f"pruned after warm-up: {trial.timings[0]:.3f} ms against "
-                               f"{fastest:.3f} ms")
-        trials.remove(trial)
-    per_round_s = sum(t.timings[0] for t in trials) / 1000.0
-    iterations = options.benchmark_iterations
-    left = _budget_left(started, options.tuning_budget_s)
-    if per_round_s > 0 and iterations * per_round_s > left:
-        iterations = max(MIN_ITERATIONS, int(left / per_round_s))
-    for trial in trials:
         trial.timings.clear()
+    for _ in range(SCREEN_CALLS):
+        for trial in trials:
+            t0 = time.perf_counter()
+            trial.executor.run(feed)  # type: ignore[union-attr]
+            trial.timings.append((time.perf_counter() - t0) * 1000.0)
+    fastest = min(trials, key=lambda t: float(np.median(t.timings)))
+    bar = max(fastest.timings)
+    kept = []
+    for trial in trials:
+        if trial is not protected and min(trial.timings) > PRUNE_RATIO * bar:
+            trial.result.p50_ms = float(np.median(trial.timings))
+            trial.result.reason = (
+                f"pruned after {len(trial.timings)} warm calls: its fastest took "
+                f"{min(trial.timings):.3f} ms, over {PRUNE_RATIO:g}x the slowest warm call "
+                f"({bar:.3f} ms) of {fastest.result.name}")
+            continue
+        kept.append(trial)
+    return kept
+
+
+@dataclass
+class _Measurement:
+    """One interleaved measurement of the finalists: timings per trial, the host's samples."""
+
+    index: int
+    timings: dict[int, list[float]]
+    samples: list[HostSample]
+    seconds: float
+
+    @property
+    def busy(self) -> float:
+        return max((s.busy for s in self.samples if s.seconds >= MIN_SAMPLE_S), default=0.0)
+
+    @property
+    def steal(self) -> float:
+        return max((s.steal for s in self.samples if s.seconds >= MIN_SAMPLE_S), default=0.0)
+
+    @property
+    def quiet(self) -> bool:
+        return self.busy <= BUSY_THRESHOLD and self.steal <= STEAL_THRESHOLD
+
+    def p50(self, trial: Trial) -> float:
+        return float(np.percentile(self.timings[id(trial)], 50))
+
+    def half_iqr(self, trial: Trial) -> float:
+        q25, q75 = np.percentile(self.timings[id(trial)], [25, 75])
+        return float(q75 - q25) / 2.0
+
+    def spread(self, trial: Trial) -> float:
+        p50 = self.p50(trial)
+        return 2.0 * self.half_iqr(trial) / p50 if p50 > 0 else 0.0
+
+    def separable(self, fast: Trial, slow: Trial) -> bool:
+        """Whether ``fast``'s lead over ``slow`` exceeds half the interquartile range of each:
+        their middle halves do not overlap."""
+        return self.p50(slow) - self.p50(fast) > self.half_iqr(fast) + self.half_iqr(slow)
+
+
+def _measure(trials: list[Trial], feed: Feed, iterations: int, index: int) -> _Measurement:
+    """Sample the idle host, then time ``iterations`` calls of every trial in interleaved
+    rounds (round ``r`` runs every trial in turn), sampling the host during each round."""
+    started = time.perf_counter()
+    before = sample_host(HOST_SAMPLE_S)
+    samples = [HostSample(measurement=index, phase="before", seconds=before.seconds,
+                          busy=before.busy, steal=before.steal, loadavg=before.loadavg)]
+    timings: dict[int, list[float]] = {id(t): [] for t in trials}
     rounds = min(ROUNDS, iterations)
     per_round = [iterations // rounds + (1 if r < iterations % rounds else 0)
                  for r in range(rounds)]
-    for count in per_round:
+    sampler, whole = CpuSampler(), CpuSampler()
+    whole.start()
+    for number, count in enumerate(per_round):
+        sampler.start()
         for trial in trials:
-            run = trial.executor.run  # type: ignore[union-attr]
+            run, own = trial.executor.run, timings[id(trial)]  # type: ignore[union-attr]
             for _ in range(count):
                 t0 = time.perf_counter()
                 run(feed)
-                trial.timings.append((time.perf_counter() - t0) * 1000.0)
-    return rounds, iterations
+                own.append((time.perf_counter() - t0) * 1000.0)
+        share = sampler.stop()
+        samples.append(HostSample(measurement=index, phase="during", round=number,
+                                  seconds=share.seconds, busy=share.busy, steal=share.steal,
+                                  loadavg=share.loadavg))
+    share = whole.stop()
+    samples.append(HostSample(measurement=index, phase="during", seconds=share.seconds,
+                              busy=share.busy, steal=share.steal, loadavg=share.loadavg))
+    return _Measurement(index=index, timings=timings, samples=samples,
+                        seconds=time.perf_counter() - started)
+
+
+@dataclass
+class _Choice:
+    winner: Trial
+    measurement: _Measurement
+    noise: NoiseReport
+    rounds: int
+    iterations: int
+
+
+def _benchmark(trials: list[Trial], feed: Feed, options: CompileOptions, started: float, *,
+               default: Trial, lock: Path | None) -> _Choice:
+    """Time the trials that passed and choose the winner, under the host's benchmark lock.
+
+    Screening (``_screen``) prunes only what several warm calls show far slower. The finalists
+    (every backend's) are then timed in the same interleaved rounds, with the host's load and
+    steal sampled before and during each round. A measurement on a busy host, or one whose
+    fastest finalist is within noise of ``default``, is taken again while the budget lasts.
+    The quietest measurement decides: the fastest finalist wins when it is separable from
+    ``default``; otherwise ``default`` is kept, and the verdict says why. On a host that stayed
+    busy, a finalist that differs from the default in its thread policy cannot win: contention
+    favours fewer threads, which a quiet node does not."""
+    wait = max(1.0, _budget_left(started, options.tuning_budget_s))
+    with host_lock(lock, wait_s=wait) as held:
+        finalists = _screen(trials, feed, protected=default)
+        per_round_s = sum(float(np.median(t.timings)) for t in finalists) / 1000.0
+        iterations = options.benchmark_iterations
+        left = _budget_left(started, options.tuning_budget_s)
+        if per_round_s > 0 and iterations * per_round_s > left:
+            iterations = max(MIN_ITERATIONS, int(left / per_round_s))
+        measurements = [_measure(finalists, feed, iterations, 0)]
+        while len(measurements) <= MAX_REMEASURES:
+            last = measurements[-1]
+            fastest = min(finalists, key=last.p50)
+            if last.quiet and (fastest is default or last.separable(fastest, default)):
+                break
+            if _budget_left(started, options.tuning_budget_s) < last.seconds:
+                break
+            logger.info("re-measuring: host busy %.2f, steal %.2f, %s within noise of %s",
+                        last.busy, last.steal, fastest.result.name, default.result.name)
+            measurements.append(_measure(finalists, feed, iterations, len(measurements)))
+    used = min(measurements, key=lambda m: (not m.quiet, m.busy + m.steal))
+    by_speed = sorted(finalists, key=used.p50)
+    eligible = by_speed if used.quiet else [
+        t for t in by_speed if _thread_policy(t) == _thread_policy(default)]
+    fastest = eligible[0] if eligible else default
+    host = (f"host busy {used.busy:.2f} / steal {used.steal:.2f} (thresholds "
+            f"{BUSY_THRESHOLD:g} / {STEAL_THRESHOLD:g})")
+    if default not in finalists:
+        winner, verdict = by_speed[0], f"fastest finalist; {host}"
+    elif fastest is default:
+        winner, verdict = default, f"the default is the fastest finalist; {host}"
+    elif used.separable(fastest, default):
+        winner = fastest
+        verdict = (f"{fastest.result.name} leads the default {default.result.name} beyond both "
+                   f"spreads; {host}")
+    else:
+        winner = default
+        verdict = (f"kept the default {default.result.name}: {fastest.result.name} "
+                   f"({used.p50(fastest):.3f} ms) is within noise of it "
+                   f"({used.p50(default):.3f} ms); {host}")
+    if not used.quiet:
+        verdict += (f"; the host stayed busy through {len(measurements)} measurement(s), so "
+                    f"no finalist with another thread policy than the default's could win")
+    runner_up = next((t for t in by_speed if t is not by_speed[0]), None)
+    noise = NoiseReport(
+        cpus=os.cpu_count() or 0, lock=str(held.path), lock_wait_s=held.waited_s,
+        lock_held=held.held, busy_threshold=BUSY_THRESHOLD, steal_threshold=STEAL_THRESHOLD,
+        samples=[s for m in measurements for s in m.samples], measurements=len(measurements),
+        remeasures=len(measurements) - 1, used_measurement=used.index,
+        spread={t.result.name: used.spread(t) for t in finalists},
+        separable=runner_up is None or used.separable(by_speed[0], runner_up),
+        verdict=verdict + ("" if held.held else f"; measured without the host lock: {held.why}"),
+    )
+    for trial in finalists:
+        trial.timings = list(used.timings[id(trial)])
+    return _Choice(winner=winner, measurement=used, noise=noise,
+                   rounds=min(ROUNDS, iterations), iterations=iterations)
 
 
 def _fail(trials: list[Trial], options: CompileOptions, table: TuningTable) -> KilnError:
@@ -244,6 +422,17 @@ def _fail(trials: list[Trial], options: CompileOptions, table: TuningTable) -> K
         f"no candidate engine could be built and verified. Candidates: {listing}", **details)
 
 
+def _group_passed(group: str, trials: Sequence[Trial]) -> bool | None:
+    """Whether a candidate of ``group`` (named so, or a fallback of it) met the gate: ``None``
+    when none was judged yet."""
+    judged = [t for t in trials if group in (t.candidate.name, t.candidate.fallback_of)
+              and t.result.outcome in (CandidateOutcome.SLOWER, CandidateOutcome.FAILED_ACCURACY)
+              and t.verification is not None]
+    if not judged:
+        return None
+    return any(t.result.outcome is CandidateOutcome.SLOWER for t in judged)
+
+
 def tune(
     backend: Backend,
     model_path: Path,
@@ -252,7 +441,7 @@ def tune(
     *,
     fingerprint: HardwareFingerprint,
     toolchain: str,
-    manifest_for: Callable[[BuiltEngine, Candidate], ArtifactManifest],
+    manifest_for: Callable[[BuiltEngine, Candidate, Backend], ArtifactManifest],
     feeds: Sequence[Feed],
     expected: Sequence[Mapping[str, np.ndarray]],
     reference: str,
@@ -263,42 +452,66 @@ def tune(
     plugins: Sequence[LoadedPlugin] = (),
     reuse: TuningTable | None = None,
     on_stage: Callable[[JobStage], None] | None = None,
+    peers: Sequence[Backend] = (),
+    model_for: Callable[[Backend], Path] | None = None,
+    peers_skip: str = "",
+    benchmark_lock: Path | None = None,
 ) -> TuningOutcome:
-    """Build, verify and benchmark ``backend``'s candidates for ``options``; the fastest that
-    passes wins. ``feeds`` are the verification (and accuracy) inputs with the reference's
-    outputs ``expected``; benchmarking uses ``feeds[0]``. ``manifest_for(built, candidate)``
-    makes the unsigned manifest a candidate's artifact would carry. Raises
-    ``VerificationFailed``, ``AccuracyGateFailed`` or ``NoViableCandidate`` (each with the
-    table) when no candidate passes. ``on_stage`` hears BUILDING, VERIFYING and BENCHMARKING
-    as each first begins."""
+    """Build, verify and benchmark the candidates of ``backend`` and of its ``peers`` (other
+    backends of this hardware that take the model) for ``options``; the fastest that passes
+    wins, whatever its backend. ``feeds`` are the verification (and accuracy) inputs with the
+    reference's outputs ``expected``; benchmarking uses ``feeds[0]``.
+    ``manifest_for(built, candidate, backend)`` makes the unsigned manifest a candidate's
+    artifact would carry. ``model_for(backend)``: the model file a peer builds from (default
+    ``model_path``; a torch program is converted once per backend); a conversion that fails
+    fails that backend's candidates with its reason. ``peers_skip``: why the peers' candidates
+    are not built (e.g. the model has custom ops, which only ``backend`` builds).
+    ``benchmark_lock``: the host-wide lock file timing waits for (default: the host's).
+    Raises ``VerificationFailed``, ``AccuracyGateFailed`` or ``NoViableCandidate`` (each with
+    the table) when no candidate passes. ``on_stage`` hears BUILDING, VERIFYING and
+    BENCHMARKING as each first begins."""
     started = time.perf_counter()
     stage = on_stage or (lambda _stage: None)
     stage(JobStage.BUILDING)
-    candidates = backend.candidates(fingerprint, options)
+    offered: list[tuple[Backend, Candidate]] = [
+        (backend, c) for c in backend.candidates(fingerprint, options)]
     if options.tune is Tune.OFF:
-        candidates = candidates[:1]
-    elif reuse is not None and reuse.winner is not None:
-        won = [c for c in candidates if c.name == reuse.winner]
+        offered, peers = offered[:1], ()
+    for peer in peers:
+        offered += [(peer, c) for c in peer.candidates(fingerprint, options)]
+    if reuse is not None and reuse.winner is not None and options.tune is Tune.AUTO:
+        won = [(b, c) for b, c in offered if c.name == reuse.winner]
         if won:
             logger.info("reusing tuning record: building %s only", reuse.winner)
-            candidates = won
+            offered = won
+    candidates = [c for _, c in offered]
     trials: list[Trial] = []
-    for index, candidate in enumerate(candidates):
-        result = CandidateResult(name=candidate.name, backend=backend.name,
+    models: dict[str, Path | KilnError] = {backend.name: model_path}
+    for index, (owner, candidate) in enumerate(offered):
+        result = CandidateResult(name=candidate.name, backend=owner.name,
                                  config=dict(candidate.config), precision=candidate.precision,
                                  outcome=CandidateOutcome.SLOWER)
         if candidate.needs_calibration:
             result.config["calibration"] = calibration_note or (
                 f"the calibration dataset ({len(calibration)} samples)")
         trial = Trial(candidate, result)
+        trial.backend = owner
         trials.append(trial)
         if candidate.skip:
             result.outcome, result.reason = CandidateOutcome.SKIPPED, candidate.skip
+            continue
+        if owner is not backend and peers_skip:
+            result.outcome, result.reason = CandidateOutcome.SKIPPED, peers_skip
             continue
         if candidate.needs_calibration and not calibration:
             result.outcome = CandidateOutcome.SKIPPED
             result.reason = ("needs calibration data: give options.calibration (or "
                              "options.samples) a dataset")
+            continue
+        if candidate.fallback_of and _group_passed(candidate.fallback_of, trials[:-1]):
+            result.outcome = CandidateOutcome.SKIPPED
+            result.reason = (f"not needed: a candidate of {candidate.fallback_of} met the "
+                             f"accuracy gate")
             continue
         built_any = any(t.executor is not None for t in trials)
         if built_any and _budget_left(started, options.tuning_budget_s) <= 0:
@@ -308,12 +521,20 @@ def tune(
         root = workdir / f"candidate-{index}"
         t0 = time.perf_counter()
         try:
-            trial.built = backend.build(
-                model_path, options, root / "build", fingerprint=fingerprint,
-                candidate=candidate, custom_ops=custom_ops,
+            if owner.name not in models:
+                try:
+                    models[owner.name] = model_for(owner) if model_for else model_path
+                except KilnError as exc:  # this backend cannot take the model; others may
+                    models[owner.name] = exc
+            source = models[owner.name]
+            if isinstance(source, KilnError):
+                raise source
+            trial.built = owner.build(
+                source, options, root / "build", fingerprint=fingerprint,
+                candidate=candidate, custom_ops=custom_ops if owner is backend else None,
                 calibration=calibration if candidate.needs_calibration else ())
             result.build_s = time.perf_counter() - t0
-            _load(trial, root, manifest_for, plugins)
+            _load(trial, root, manifest_for, plugins if owner is backend else ())
         except Exception as exc:  # any failure is this candidate's, recorded with its reason
             result.build_s = time.perf_counter() - t0
             result.outcome = CandidateOutcome.FAILED_BUILD
@@ -328,56 +549,68 @@ def tune(
         except KilnError as exc:
             result.outcome, result.reason = CandidateOutcome.FAILED_BUILD, exc.message
             trial.executor = None
+        if trial.executor is not None and result.outcome is not CandidateOutcome.SLOWER:
+            # A candidate that failed is not measured: free its session now, not at the end.
+            trial.executor = None
+            if trial.artifact_dir is not None:
+                shutil.rmtree(trial.artifact_dir.parent, ignore_errors=True)
         logger.info("candidate %s: %s %s", candidate.name, result.outcome.value, result.reason)
     passing = [t for t in trials if t.executor is not None
                and t.result.outcome is CandidateOutcome.SLOWER]
-    rounds = iterations = 0
+    choice: _Choice | None = None
     if passing:
         stage(JobStage.BENCHMARKING)
-        measured = list(passing)
-        rounds, iterations = _benchmark(measured, feeds[0], options, started)
+        # The default: the first candidate that passed, in the order offered (the job's own
+        # backend's default first); it is kept when noise cannot separate the finalists.
+        choice = _benchmark(list(passing), feeds[0], options, started, default=passing[0],
+                            lock=benchmark_lock)
         for trial in passing:
-            trial.result.p50_ms = float(np.percentile(trial.timings, 50))
-            trial.result.p90_ms = float(np.percentile(trial.timings, 90))
-    else:
-        measured = []
-    winner = min(measured, key=lambda t: t.result.p50_ms or np.inf) if measured else None
+            if not trial.result.reason:  # measured in the rounds (not pruned)
+                trial.result.p50_ms = choice.measurement.p50(trial)
+                trial.result.p90_ms = float(np.percentile(trial.timings, 90))
+                trial.result.spread = choice.measurement.spread(trial)
+    winner = choice.winner if choice is not None else None
     if winner is not None:
         winner.result.outcome, winner.result.reason = CandidateOutcome.WON, ""
-        for trial in measured:
-            if trial is not winner:
+        for trial in passing:
+            if trial is not winner and not trial.result.reason:
                 ratio = (trial.result.p50_ms or 0) / (winner.result.p50_ms or 1)
                 trial.result.reason = (f"p50 {trial.result.p50_ms:.3f} ms is {ratio:.2f}x the "
                                        f"winner's {winner.result.p50_ms:.3f} ms")
+                if ratio < 1:  # faster, yet not chosen: the verdict says why
+                    trial.result.reason += f" ({choice.noise.verdict})"
+    reused = reuse is not None and len(candidates) == 1 and options.tune is Tune.AUTO
     candidates_table = [t.result for t in trials]
-    if reuse is not None and len(candidates) == 1 and options.tune is Tune.AUTO:
+    if reused:
         fresh = {c.name: c for c in candidates_table}
-        candidates_table = [fresh.get(c.name, c) for c in reuse.candidates]
+        candidates_table = [fresh.get(c.name, c) for c in reuse.candidates]  # type: ignore[union-attr]
     table = TuningTable(
         fingerprint_key=backend.fingerprint_key(fingerprint), toolchain=toolchain,
         winner=winner.result.name if winner else None, inputs=inputs,
         budget_s=options.tuning_budget_s, elapsed_s=time.perf_counter() - started,
-        rounds=rounds, reused=reuse is not None and len(candidates) == 1
-        and options.tune is Tune.AUTO, candidates=candidates_table,
+        rounds=choice.rounds if choice else 0, reused=reused, candidates=candidates_table,
+        noise=choice.noise if choice else None,
     )
     for trial in trials:
         if trial is not winner:
             trial.executor = None
             if trial.artifact_dir is not None:
                 shutil.rmtree(trial.artifact_dir.parent, ignore_errors=True)
-    if winner is None:
+    if winner is None or choice is None:
         raise _fail(trials, options, table)
     assert winner.manifest is not None and winner.artifact_dir is not None
     assert winner.verification is not None and winner.executor is not None
     timings = np.asarray(winner.timings)
     bench = BenchmarkResult(
-        iterations=iterations, warmup=1, p50_ms=float(np.percentile(timings, 50)),
+        iterations=choice.iterations, warmup=1 + SCREEN_CALLS,
+        p50_ms=float(np.percentile(timings, 50)),
         p90_ms=float(np.percentile(timings, 90)), mean_ms=float(timings.mean()),
         min_ms=float(timings.min()),
         input_shapes={name: [int(d) for d in np.shape(v)] for name, v in feeds[0].items()},
     )
-    logger.info("tuning: %s won (p50 %.3f ms) among %d candidates in %.1f s", table.winner,
-                bench.p50_ms, len(trials), table.elapsed_s)
+    logger.info("tuning: %s won (p50 %.3f ms) among %d candidates in %.1f s (%s)",
+                table.winner, bench.p50_ms, len(trials), table.elapsed_s,
+                choice.noise.verdict)
     manifest = winner.manifest.model_copy(update={
         "verification": winner.verification, "benchmark": bench, "tuning": table,
         "precision": winner.candidate.precision,

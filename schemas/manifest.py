@@ -24,7 +24,8 @@ from schemas.tuning import TuningTable
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 #: The manifest schema this Kiln writes. A reader accepts any ``1.x`` (dropping fields a newer
 #: minor added) and refuses ``2.0``; the first manifests wrote the integer ``1`` (= ``1.0``).
-MANIFEST_SCHEMA_VERSION = "1.0"
+#: 1.1: the tuning table's noise figures (``TuningTable.noise``, ``CandidateResult.spread``).
+MANIFEST_SCHEMA_VERSION = "1.1"
 
 ArtifactState = Literal["ready", "broken"]
 

@@ -15,6 +15,33 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class ThreadPolicy(StrEnum):
+    """How many threads an engine runs with, resolved on the node that runs it (its own core
+    count), never a number frozen from the worker that tuned it: an engine tuned on a busy
+    2-core worker is served to nodes of every size."""
+
+    #: The runtime's own choice on the node (onnxruntime: one thread per physical core).
+    DEFAULT = "default"
+    #: One thread per physical core of the node.
+    PHYSICAL = "physical"
+    #: Half the node's physical cores (at least one).
+    HALF = "half"
+    #: One thread: tiny models lose more to thread hand-offs than they gain.
+    ONE = "one"
+
+    def threads(self, physical_cores: int) -> int | None:
+        """The thread count on a node with ``physical_cores``; ``None``: leave it to the
+        runtime."""
+        cores = max(1, int(physical_cores))
+        if self is ThreadPolicy.DEFAULT:
+            return None
+        if self is ThreadPolicy.ONE:
+            return 1
+        if self is ThreadPolicy.HALF:
+            return max(1, cores // 2)
+        return cores
+
+
 class CandidateOutcome(StrEnum):
     WON = "won"
     #: Passed, but another candidate was faster.
@@ -49,7 +76,61 @@ class CandidateResult(BaseModel):
     max_abs_error: float | None = None
     p50_ms: float | None = None
     p90_ms: float | None = None
+    #: Relative spread of its timings in the rounds that chose the winner: the interquartile
+    #: range over the median.
+    spread: float | None = None
     build_s: float | None = None
+
+
+class HostSample(BaseModel):
+    """The host's CPU over one window (``/proc/stat``, ``/proc/loadavg``): ``before`` a
+    measurement (nothing of the tuner's running) or ``during`` one round of it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: Which measurement (0: the first; each re-measure adds one).
+    measurement: int
+    #: ``before`` or ``during``.
+    phase: str
+    #: The round, ``None`` for the sample before the rounds.
+    round: int | None = None
+    seconds: float
+    #: Share of the host's CPU time spent by other processes (the tuner's own excluded).
+    busy: float
+    #: Share of the host's CPU time the hypervisor stole.
+    steal: float
+    #: The 1-minute load average at the window's end.
+    loadavg: float
+
+
+class NoiseReport(BaseModel):
+    """What the tuner saw of its host while it measured, and what it concluded."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: Logical CPUs of the host.
+    cpus: int
+    #: The host-wide benchmark lock (one benchmark at a time per host), and how long the
+    #: tuner waited for it; ``lock_held`` is false when it measured without it (see ``verdict``).
+    lock: str
+    lock_wait_s: float
+    lock_held: bool
+    #: Above either, a measurement counts as taken on a busy host.
+    busy_threshold: float
+    steal_threshold: float
+    samples: list[HostSample] = Field(default_factory=list)
+    #: Measurements taken (1 + re-measures).
+    measurements: int
+    remeasures: int
+    #: The measurement whose figures chose the winner.
+    used_measurement: int
+    #: Relative spread (IQR / median) per finalist, in that measurement.
+    spread: dict[str, float] = Field(default_factory=dict)
+    #: Whether the winner's lead over the runner-up exceeds both their spreads.
+    separable: bool
+    #: Why the winner is the winner: measured on a quiet host, or the default kept (busy host,
+    #: finalists within noise).
+    verdict: str
 
 
 class TuningTable(BaseModel):
@@ -68,6 +149,8 @@ class TuningTable(BaseModel):
     #: Whether this table reused an earlier tuning record's winner instead of searching.
     reused: bool = False
     candidates: list[CandidateResult]
+    #: The host's load and steal while measuring, the spread per finalist, re-measures.
+    noise: NoiseReport | None = None
 
     def candidate(self, name: str) -> CandidateResult:
         for candidate in self.candidates:

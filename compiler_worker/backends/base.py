@@ -59,6 +59,10 @@ class Candidate:
     #: It needs representative inputs (static int8 calibration).
     needs_calibration: bool = False
     skip: str = ""
+    #: A group name (e.g. ``onnxruntime/int8-static``): the tuner builds this candidate only
+    #: when every earlier candidate named so, or with the same ``fallback_of``, missed the
+    #: accuracy gate (other calibrations, nodes kept in fp32, accuracy-aware quantization).
+    fallback_of: str = ""
 
     @property
     def exact(self) -> bool:

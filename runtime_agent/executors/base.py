@@ -33,6 +33,27 @@ MEDIA_TYPE_EXTENSIONS = {
 _SAFE_BLOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
 
+def physical_cores() -> int:
+    """Physical cores this process may run on (its CPU affinity; SMT siblings counted once):
+    what an engine's thread policy (``schemas.tuning.ThreadPolicy``) is resolved against on
+    the node that runs it."""
+    import os
+
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(),
+                       (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores))
+
+
 def blob_filename(ref: BlobRef) -> str:
     """The file name of a blob inside an artifact directory (``engine`` ONNX → ``engine.onnx``).
 

@@ -6,7 +6,13 @@
   writes 0 (``ORT_DISABLE_ALL``): the engine file already is the optimized graph, and
   re-optimizing it at load would run a graph other than the one that was verified.
 - ``providers``: execution providers, in order; each must be available here.
-- ``intra_op_num_threads`` / ``inter_op_num_threads``: set only when present.
+- ``thread_policy``: how many intra-op threads, resolved on the node that runs the engine
+  against its own physical cores (``schemas.tuning.ThreadPolicy``: ``default`` leaves it to
+  onnxruntime, ``physical``, ``half``, ``one``); engines never carry the tuning worker's
+  core count.
+- ``intra_op_num_threads`` / ``inter_op_num_threads``: a pinned count, set only when present
+  (engines of earlier Kiln versions froze the tuned count here; it is still honoured, and it
+  wins over ``thread_policy``).
 - ``execution_mode``: ``sequential`` (default) or ``parallel``.
 - ``session_config``: extra session configuration entries (e.g. MLAS's bf16 fast math).
 - ``precision``: the numerics the engine computes in (``fp32``, ``int8-static-qdq``, ...).
@@ -38,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from runtime_agent.executors.base import CustomOpAdapter, Executor
+from runtime_agent.executors.base import CustomOpAdapter, Executor, physical_cores
 from runtime_agent.executors.tensors import DeviceTensor
 from runtime_agent.fingerprint import (
     isa_class,
@@ -50,6 +56,7 @@ from runtime_agent.fingerprint import (
 from runtime_agent.plugins.abi import platform_tag
 from schemas.errors import BackendUnavailable, InvalidRequest
 from schemas.fingerprint import HardwareFingerprint
+from schemas.tuning import ThreadPolicy
 
 if TYPE_CHECKING:
     from runtime_agent.plugins import LoadedPlugin
@@ -110,6 +117,16 @@ def session_options(runtime_config: Mapping[str, Any]) -> Any:
         value = runtime_config.get(key)
         if value is not None:
             setattr(options, key, int(value))
+    policy = runtime_config.get("thread_policy")
+    if policy is not None and runtime_config.get("intra_op_num_threads") is None:
+        try:
+            threads = ThreadPolicy(str(policy)).threads(physical_cores())
+        except ValueError:
+            raise InvalidRequest(
+                f"runtime_config.thread_policy must be one of "
+                f"{[p.value for p in ThreadPolicy]}; got {policy!r}") from None
+        if threads is not None:
+            options.intra_op_num_threads = threads
     mode = runtime_config.get("execution_mode", "sequential")
     if mode not in ("sequential", "parallel"):
         raise InvalidRequest(

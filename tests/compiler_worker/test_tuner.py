@@ -16,7 +16,8 @@ from schemas.options import AccuracyGate, CompileOptions, Tolerance
 from schemas.tuning import CandidateOutcome
 
 MODEL = mlp().SerializeToString()
-QUICK = {"benchmark_iterations": 10, "verify_samples": 2}
+#: The onnxruntime backend alone (its peers tune beside it when no backend is named).
+QUICK = {"benchmark_iterations": 10, "verify_samples": 2, "backends": ["onnxruntime"]}
 
 
 def _samples(count: int = 8) -> dict[str, np.ndarray]:
@@ -36,8 +37,18 @@ def test_tuning_keeps_the_fastest_candidate_that_passes(
     assert len(passed) >= 3 and all(c.p50_ms is not None for c in passed)
     winner = table.candidate(table.winner)
     assert winner.outcome is CandidateOutcome.WON
-    assert winner.p50_ms == min(c.p50_ms for c in passed)
-    assert all("the winner's" in c.reason or "pruned after warm-up" in c.reason
+    noise = table.noise
+    assert noise is not None and noise.lock_held and noise.measurements >= 1
+    assert {s.phase for s in noise.samples} == {"before", "during"}
+    # The fastest wins, unless noise could not separate it from the default (then the
+    # default is kept, and the verdict says why), or the host stayed busy (then no candidate
+    # of another thread policy than the default's wins: contention favours fewer threads).
+    faster = [c for c in passed if "pruned" not in c.reason and c.p50_ms < winner.p50_ms]
+    if faster:
+        assert "kept the default" in noise.verdict or (
+            "stayed busy" in noise.verdict and all("thread_policy" in c.config for c in faster))
+        assert all(noise.verdict in c.reason for c in faster)
+    assert all("the winner's" in c.reason or "pruned after 3 warm calls" in c.reason
                for c in passed if c is not winner)
     assert result.manifest.precision == "fp32" == winner.precision
     assert result.manifest.runtime_config["optimization_level"] == \
@@ -80,7 +91,8 @@ def test_auto_precision_with_samples_builds_int8_judged_by_the_gate(
                            samples=_samples())
     table = result.manifest.tuning
     assert table.inputs == f"dataset:{'0' * 64}" == result.manifest.inputs_source
-    int8 = {c.precision: c for c in table.candidates if c.precision.startswith("int8")}
+    int8 = {c.precision: c for c in table.candidates if c.precision.startswith("int8")
+            and c.outcome is not CandidateOutcome.SKIPPED}
     assert set(int8) == {"int8-dynamic", "int8-static-qdq"}
     for candidate in int8.values():
         assert candidate.outcome is not CandidateOutcome.FAILED_BUILD, candidate.reason
@@ -97,8 +109,19 @@ def test_an_accuracy_gate_no_candidate_meets_fails_with_the_best_figure(
                       samples=_samples())
     details = caught.value.details
     assert details["metric"] == "max_abs" and details["best"] > 0
-    assert {c["outcome"] for c in details["tuning"]["candidates"]} <= {"failed_accuracy",
-                                                                       "skipped"}
+    outcomes = {c["name"].split("/")[1]: c for c in details["tuning"]["candidates"]}
+    for name, candidate in outcomes.items():
+        if "keep-" in name and candidate["outcome"] == "failed_build":
+            # The MLP has so few int8 nodes that keeping them in fp32 leaves none.
+            assert "leaves no node in int8" in candidate["reason"]
+        else:
+            assert candidate["outcome"] in ("failed_accuracy", "skipped"), candidate
+    # Before giving up, int8 tried other calibrations and nodes kept in fp32.
+    for name in ("int8-static-qdq-percentile-l3", "int8-static-qdq-entropy-l3"):
+        assert outcomes[name]["outcome"] == "failed_accuracy"
+        assert outcomes[name]["config"]["calibrate"] in name
+    assert {"int8-static-qdq-keep-edges-fp32-l3",
+            "int8-static-qdq-keep-sensitive-fp32-l3"} <= set(outcomes)
 
 
 def test_no_candidate_within_tolerance_is_a_verification_failure_listing_each(
