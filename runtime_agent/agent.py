@@ -209,7 +209,14 @@ class Agent:
                 self.stop()
                 raise
         saved = self.cache.load_state()
-        if saved is not None:
+        if saved is not None and not self.trust.has_record:
+            # A state folder wiped of its trust record (or a state put there): nothing says
+            # this state is not older than one already accepted, so the control plane's
+            # answer comes first.
+            logger.warning("not serving the persisted desired state: the trust record of the "
+                           "versions this agent accepted is missing; waiting for the control "
+                           "plane's current desired state")
+        elif saved is not None:
             try:
                 accepted = self.trust.verify(saved, None, allow_expired=True)
             except KilnError as exc:

@@ -16,6 +16,12 @@ metadata and rotation rules do, and are used as they are):
   expired. An equal version is accepted only with identical bytes.
 - **expiry**: the agent keeps serving the last state it accepted; once that has expired it
   is *stale* (heartbeat, ``/healthz``) until fresh metadata arrives.
+- **no record** (a new agent, or one whose state folder was wiped): the agent knows no
+  version to compare with, so it would take any signed state that has not expired, an older
+  one replayed included. It then acts on no persisted state (``has_record``) until the
+  control plane has answered, and takes only a state issued since it started (less
+  ``FRESH_START_LEEWAY_S`` of clock skew); the control plane's answer sets the floor that
+  every later state must reach.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Protocol
 
@@ -46,6 +52,10 @@ from schemas.errors import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: Clock skew tolerated between an agent and its control plane when an agent with no trust
+#: record judges whether a desired state was issued since it started, seconds.
+FRESH_START_LEEWAY_S = 30.0
 
 
 class RootSource(Protocol):
@@ -91,6 +101,8 @@ class AgentTrust:
                 logger.warning("ignoring the unreadable trusted root %s (%s); fetching it "
                                "again", saved, exc.message)
         self._seen_version, self._seen_digest = self._load_seen()
+        #: When this trust began; with no record, only state issued since then is taken.
+        self._started = datetime.now(UTC)
         self._current: DesiredState | None = None
         self.refused: ErrorBody | None = None
 
@@ -143,6 +155,12 @@ class AgentTrust:
                     self._root.version, self._root.key_ids)
 
     # ---------------------------------------------------------------- desired state
+    @property
+    def has_record(self) -> bool:
+        """Whether the agent knows the highest version it accepted (its trust record): without
+        it, a persisted or replayed older state could not be told from the current one."""
+        return self._seen_digest is not None
+
     def _load_seen(self) -> tuple[int, str | None]:
         path = self.directory / "state.json"
         if not path.exists():
@@ -191,6 +209,15 @@ class AgentTrust:
                     f"desired state version {state.version} differs from the one this agent "
                     f"accepted under the same version", reason="rollback",
                     version=state.version, highest_seen=self._seen_version)
+            if not self.has_record and state.issued_at is not None and state.issued_at < (
+                    self._started - timedelta(seconds=FRESH_START_LEEWAY_S)):
+                raise MetadataRefused(
+                    f"desired state version {state.version} was issued at "
+                    f"{state.issued_at.isoformat()}, before this agent started "
+                    f"({self._started.isoformat()}), and the agent has no record of the "
+                    f"versions it accepted (a new or wiped state folder): it could be a "
+                    f"replay of an older state, so only one issued since the start is taken",
+                    reason="rollback", version=state.version)
             now = now or datetime.now(UTC)
             if state.expires is None or (state.expires <= now and not allow_expired):
                 raise MetadataRefused(

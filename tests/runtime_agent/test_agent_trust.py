@@ -295,3 +295,76 @@ def test_online_key_rotation_is_followed_and_the_old_key_refused(
     assert control_plane.heartbeats[-1].trust.root_version == 2
     assert control_plane.heartbeats[-1].trust.refused.code.value == "signature_invalid"
     still_serving(control_plane, agent, b)
+
+
+def issued_before(stub: ControlPlaneStub, models, *, seconds_ago: float) -> bytes:
+    """A genuine desired state for node-1 issued ``seconds_ago`` (still unexpired): what
+    an attacker who recorded the traffic, or the old cache, would hold."""
+    from datetime import UTC, datetime
+
+    from artifact_store.signing import DESIRED_STATE_PAYLOAD_TYPE
+    from schemas._canonical import canonical_json
+    from schemas.agents import DesiredState
+
+    issued = datetime.now(UTC) - timedelta(seconds=seconds_ago)
+    state = DesiredState(agent="node-1", models=models, heartbeat_s=stub.heartbeat_s,
+                         version=int(issued.timestamp() * 1_000_000), issued_at=issued,
+                         expires=issued + timedelta(seconds=300))
+    return stub.signer.sign_envelope(canonical_json(state), DESIRED_STATE_PAYLOAD_TYPE)
+
+
+def test_a_wiped_state_folder_does_not_let_an_older_desired_state_back_in(
+        control_plane: ControlPlaneStub, agent: AgentProc, built: Fixtures) -> None:
+    """The trust record is gone with the folder, so the agent cannot compare versions: it
+    acts on no persisted state, takes no state issued before it started, and once the
+    control plane's current state arrives, refuses any older one by version."""
+    a = start_serving_a(control_plane, agent, built)
+    agent.stop()
+    old = issued_before(control_plane, [desired_model("mlp", a)], seconds_ago=90)
+    b = control_plane.add(built.mlp_b)
+    control_plane.desired = [desired_model("mlp", b)]
+
+    cache = agent.log.parent / "cache"
+    shutil.rmtree(cache)
+    cache.mkdir()
+    (cache / "state.json").write_bytes(old)  # planted where the persisted state lives ...
+    control_plane.serve_instead = old  # ... and replayed over the network
+    control_plane.heartbeats.clear()
+    agent.start()
+    wait_for(refused(control_plane, "rollback"), timeout_s=60,
+             what="the older state refused by an agent with a wiped folder")
+    seen = len(control_plane.heartbeats)
+    wait_for(lambda: len(control_plane.heartbeats) >= seen + 3, timeout_s=30, what="beats")
+    assert agent.healthz()["models"] == []  # a was not served again
+    assert "trust record" in agent.log.read_text()
+
+    # The control plane's current state sets the floor; the replay is refused by version.
+    control_plane.serve_instead = None
+    wait_for(serving(control_plane, agent, b), timeout_s=60, what="b served")
+    control_plane.serve_instead = old
+    control_plane.heartbeats.clear()
+    wait_for(refused(control_plane, "rollback"), timeout_s=20, what="the replay refused")
+    still_serving(control_plane, agent, b)
+
+
+def test_with_no_trust_record_a_persisted_state_waits_for_the_control_plane(
+        control_plane: ControlPlaneStub, agent: AgentProc, built: Fixtures) -> None:
+    """Even a state issued moments ago is not taken from the folder while the trust record is
+    missing: the control plane (unreachable here) must answer first. The agent pins the online
+    key (with a root key, a wiped folder also lost the root metadata, and nothing verifies
+    before the control plane answers anyway)."""
+    a = control_plane.add(built.mlp_a)
+    cache = agent.log.parent / "cache"
+    cache.mkdir()
+    (cache / "state.json").write_bytes(
+        issued_before(control_plane, [desired_model("mlp", a)], seconds_ago=1))
+    agent.argv[agent.argv.index("--api") + 1] = f"http://127.0.0.1:{free_port()}"
+    at = agent.argv.index("--root-key")
+    agent.argv[at:at + 2] = ["--trusted-key", str(built.keys.public)]
+    agent.start()
+    wait_for(lambda: b"agent node-1 started" in agent.log.read_bytes(), timeout_s=30,
+             what="the agent starting")
+    trust = agent.healthz()["trust"]
+    assert trust["desired_version"] is None, trust
+    assert "waiting for the control plane" in agent.log.read_text()
+    assert not (cache / "trust" / "state.json").exists()
