@@ -98,6 +98,13 @@ def test_auto_precision_with_samples_builds_int8_judged_by_the_gate(
         assert candidate.outcome is not CandidateOutcome.FAILED_BUILD, candidate.reason
         assert candidate.accuracy_metric == "cosine" and candidate.accuracy is not None
     assert "calibrated on the samples" in int8["int8-static-qdq"].config["calibration"]
+    static = table.candidate("onnxruntime/int8-static-qdq-l3")
+    fallbacks = [c for c in table.candidates if "int8-static-qdq-" in c.name
+                 and c is not static]
+    assert len(fallbacks) == 4
+    if static.outcome is not CandidateOutcome.FAILED_ACCURACY:  # it met the gate
+        assert all(c.outcome is CandidateOutcome.SKIPPED and "not needed" in c.reason
+                   and c.build_s is None for c in fallbacks)
 
 
 def test_an_accuracy_gate_no_candidate_meets_fails_with_the_best_figure(
