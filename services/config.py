@@ -185,6 +185,11 @@ class KilnSettings(SharedSettings):
     #: each computation is mostly Python, and every busy thread takes turns at the interpreter
     #: lock with the event loop that answers heartbeats and held long-polls.
     api_desired_state_threads: int = Field(2, ge=1, le=64)
+    #: Requests each `kiln api` process lets use or wait for the database at once (they take
+    #: turns at its `KILN_API_THREADS`); the next one is answered 503 `database_unavailable`
+    #: with `Retry-After` at once instead of queueing without bound. `/healthz` and the
+    #: agents' liveness heartbeats (`Prefer: return=minimal`) do not count.
+    api_max_db_requests: int = Field(64, ge=1, le=4096)
     #: How often a `kiln api` process runs a full garbage collection, seconds; automatic full
     #: collections are off in between, and what start-up built is frozen out of every
     #: collection (``services/api/collector.py``: with thousands of held long-polls, CPython's

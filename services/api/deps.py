@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import AsyncIterator
-from typing import Annotated
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
 
 from celery import Celery
 from fastapi import Depends, Header, Path, Query, Request
+from fastapi.routing import APIRoute
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -32,18 +34,67 @@ def _finish(session: Session) -> None:
     session.close()
 
 
+def end_transaction(session: Session) -> None:
+    """Roll back what ``session`` left uncommitted and hand its connection back (SQLite's
+    write lock with it), in the thread that used it. Loaded objects stay readable (detached,
+    not expired); a later use begins a new transaction."""
+    if session.in_transaction():
+        session.close()
+
+
 async def get_session(request: Request) -> AsyncIterator[Session]:
     """A session for the request (it takes a connection only when first used, in the route's
-    thread); what the route left uncommitted is rolled back afterwards, in a thread when the
-    session holds a connection."""
+    thread), admitted by ``threads.DatabaseAdmission`` (503 at once past its bound). A plain
+    ``def`` route ends its transaction in its own thread (``Route``); whatever is still open
+    afterwards is rolled back here, in a thread outside the default pool: the requests queued
+    for that pool may all be waiting for this session's lock or connection
+    (``services/api/threads.py``)."""
+    admission = getattr(request.app.state, "db_admission", None)
+    if admission is not None:
+        admission.enter()
     session = request.app.state.session_factory()
     try:
         yield session
     finally:
-        if session.in_transaction():
-            await run_in_threadpool(_finish, session)
-        else:
-            session.close()
+        try:
+            if not session.in_transaction():
+                session.close()
+            elif admission is not None:
+                await admission.finish(functools.partial(_finish, session))
+            else:  # an app not started through its lifespan (no admission configured)
+                await run_in_threadpool(_finish, session)
+        finally:
+            if admission is not None:
+                admission.leave()
+
+
+def _ending_transactions(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+    """``endpoint`` (a plain ``def`` route), ending the transaction of every session it was
+    given before its thread returns."""
+
+    @functools.wraps(endpoint)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return endpoint(*args, **kwargs)
+        finally:
+            for value in kwargs.values():
+                if isinstance(value, Session):
+                    end_transaction(value)
+
+    return call
+
+
+class Route(APIRoute):
+    """Every router's route class: a plain ``def`` route ends its database transaction in
+    the thread it ran in, before FastAPI's next hop through the thread pool (the response's
+    validation, the session's clean-up) that a transaction held open would wait in."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        if inspect.isfunction(endpoint) and not (inspect.iscoroutinefunction(endpoint)
+                                                 or inspect.isgeneratorfunction(endpoint)
+                                                 or inspect.isasyncgenfunction(endpoint)):
+            endpoint = _ending_transactions(endpoint)
+        super().__init__(path, endpoint, **kwargs)
 
 
 async def get_store(request: Request) -> ArtifactStore:
@@ -119,7 +170,10 @@ def _resolver(kind: str, param: str):
     one, as git takes) into the full id; an ambiguous prefix is a 409 listing the matches."""
 
     def resolve(*, _: Principal, session: Session, value: str) -> str:
-        return repo.resolve_id(session, kind, value)
+        try:
+            return repo.resolve_id(session, kind, value)
+        finally:  # the route runs in another thread: no transaction is held across the hop
+            end_transaction(session)
 
     # The path parameter's name differs per route, so the signature is built here (string
     # annotations could not see ``param``).

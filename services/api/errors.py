@@ -51,7 +51,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _kiln_error(request: Request, exc: KilnError):
         if exc.http_status >= 500:
             logger.error("%s %s failed: %s", request.method, request.url.path, exc.message)
-        headers = {"WWW-Authenticate": "Bearer"} if exc.code is ErrorCode.UNAUTHENTICATED else None
+        headers = ({"WWW-Authenticate": "Bearer"} if exc.code is ErrorCode.UNAUTHENTICATED
+                   else RETRY_AFTER if exc.code is ErrorCode.DATABASE_UNAVAILABLE else None)
         return error_response(exc.http_status, exc.to_body(), headers)
 
     @app.exception_handler(RequestValidationError)

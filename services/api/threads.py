@@ -9,6 +9,16 @@ the store) runs through ``run_slow`` in a pool of its own (``KILN_API_SLOW_THREA
 that a few large uploads never hold the threads short requests need. Desired-state
 computations (a deployment wakes many profiles' long-polls at once) run through
 ``run_desired``, a few at a time (``KILN_API_DESIRED_STATE_THREADS``).
+
+A request's database transaction never outlives the thread that opened it (``deps.Route``,
+``deps.get_session``): FastAPI runs a plain ``def`` route, its response's validation and a
+dependency's clean-up in separate hops through the default pool, and a transaction left open
+across those hops held SQLite's write lock (every transaction there is ``BEGIN IMMEDIATE``)
+or a pooled PostgreSQL connection while its next hop queued behind requests whose threads were
+all blocked waiting for that lock or connection: the pool deadlocked on itself until the busy
+or pool timeout, again and again. How many requests may use or wait for the database at once
+is bounded too (``DatabaseAdmission``): the next one is answered 503 at once instead of
+queueing without end.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import anyio.to_thread
 from fastapi import FastAPI, Request
 from sqlalchemy.orm import Session
 
+from schemas.errors import DatabaseUnavailable
 from services.config import KilnSettings
 
 T = TypeVar("T")
@@ -32,6 +43,35 @@ def configure(app: FastAPI, settings: KilnSettings) -> None:
     anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
     app.state.slow_threads = anyio.CapacityLimiter(settings.api_slow_threads)
     app.state.desired_threads = anyio.CapacityLimiter(settings.api_desired_state_threads)
+    app.state.db_admission = DatabaseAdmission(settings.api_max_db_requests)
+
+
+class DatabaseAdmission:
+    """At most ``limit`` requests of this process use or wait for the database at once; the
+    next is refused (503, ``Retry-After``) at once rather than queued. Used on the event loop
+    only (no lock). Also sizes the pool that ends requests' sessions (``finish``): every
+    admitted request may need one of its threads, and none waits on what a queued request
+    holds, so a session's end never waits for the default pool."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+        self.finishing = anyio.CapacityLimiter(limit)
+
+    def enter(self) -> None:
+        if self.active >= self.limit:
+            raise DatabaseUnavailable(
+                f"this API process is serving as many database requests as it takes at once "
+                f"({self.limit}, KILN_API_MAX_DB_REQUESTS); try again",
+                reason="busy", limit=self.limit)
+        self.active += 1
+
+    def leave(self) -> None:
+        self.active -= 1
+
+    async def finish(self, fn: Callable[[], T], /) -> T:
+        """``fn()`` (a session's rollback and close) in a thread outside the default pool."""
+        return await anyio.to_thread.run_sync(fn, limiter=self.finishing)
 
 
 async def run_slow(request: Request, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:

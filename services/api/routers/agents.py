@@ -28,6 +28,7 @@ from services.api.deps import (
     QueueDep,
     ReaderPrincipal,
     RoleDep,
+    Route,
     SessionDep,
     SettingsDep,
     SignerDep,
@@ -42,7 +43,7 @@ from services.config import KilnSettings
 from services.db import repo
 from services.signer import OnlineSigner
 
-router = APIRouter(prefix="/v1/agents", tags=["agents"])
+router = APIRouter(prefix="/v1/agents", tags=["agents"], route_class=Route)
 AgentPrincipal = RoleDep(Role.AGENT)
 SIGNED = {200: {"model": SignedEnvelope, "description": (
     "A signed envelope (DSSE) whose payload is the agent's DesiredState: version, expiry and "

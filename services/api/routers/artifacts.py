@@ -17,6 +17,7 @@ from services.api.deps import (
     ArtifactId,
     Limit,
     ReaderPrincipal,
+    Route,
     SessionDep,
     SettingsDep,
     StoreDep,
@@ -26,7 +27,7 @@ from services.db import repo
 from services.integrity import usable_artifact
 
 logger = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1/artifacts", tags=["artifacts"])
+router = APIRouter(prefix="/v1/artifacts", tags=["artifacts"], route_class=Route)
 
 
 class ArtifactDetail(BaseModel):

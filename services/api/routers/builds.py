@@ -89,7 +89,7 @@ from schemas.manifest import ArtifactManifest
 from schemas.plugins import PluginInfo
 from schemas.workers import WorkerInfo
 from services.api.auth import Principal, Role, check_worker_key
-from services.api.deps import RoleDep, SessionDep, SettingsDep, SignerDep, StoreDep
+from services.api.deps import RoleDep, Route, SessionDep, SettingsDep, SignerDep, StoreDep
 from services.api.gate import BODY_LIMIT
 from services.api.threads import run_slow
 from services.api.transfers import scratch_of
@@ -98,7 +98,7 @@ from services.db.tables import utcnow
 from services.integrity import usable_artifact
 
 logger = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1/builds", tags=["builds"])
+router = APIRouter(prefix="/v1/builds", tags=["builds"], route_class=Route)
 
 WorkerPrincipal = RoleDep(Role.WORKER)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")

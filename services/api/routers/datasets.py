@@ -18,6 +18,7 @@ from services.api.deps import (
     DatasetId,
     Limit,
     ReaderPrincipal,
+    Route,
     SessionDep,
     SettingsDep,
     StoreDep,
@@ -29,7 +30,7 @@ from services.api.transfers import received_upload, scratch_of
 from services.db import repo
 
 logger = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
+router = APIRouter(prefix="/v1/datasets", tags=["datasets"], route_class=Route)
 
 
 @router.post("", response_model=DatasetInfo, status_code=status.HTTP_201_CREATED,

@@ -13,12 +13,13 @@ from services.api.deps import (
     DeploymentName,
     QueueDep,
     ReaderPrincipal,
+    Route,
     SessionDep,
 )
 from services.api.fleet import ensure_builds
 from services.db import repo
 
-router = APIRouter(prefix="/v1/deployments", tags=["deployments"])
+router = APIRouter(prefix="/v1/deployments", tags=["deployments"], route_class=Route)
 
 
 class DeploymentApplied(BaseModel):

@@ -5,11 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from schemas.fleet import FleetSummary
-from services.api.deps import ReaderPrincipal, SessionDep
+from services.api.deps import ReaderPrincipal, Route, SessionDep
 from services.api.fleet import fleet_summary
 from services.db import repo
 
-router = APIRouter(prefix="/v1/fleet", tags=["fleet"])
+router = APIRouter(prefix="/v1/fleet", tags=["fleet"], route_class=Route)
 
 
 @router.get("", response_model=FleetSummary)

@@ -8,9 +8,10 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.api.deps import Route
 from services.health import Probe, broker_probe, readiness
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], route_class=Route)
 
 
 def database_probe(sessions: sessionmaker[Session]) -> Probe:
@@ -21,8 +22,10 @@ def database_probe(sessions: sessionmaker[Session]) -> Probe:
 
 
 @router.get("/healthz")
-def healthz() -> dict[str, str]:
-    """Liveness: cheap, touches nothing. Readiness is ``/readyz``."""
+async def healthz() -> dict[str, str]:
+    """Liveness: cheap, touches nothing. Readiness is ``/readyz``. On the event loop: a
+    thread of the pool may be a long wait away when the API is busy, and a liveness probe
+    that waits for one reports a live process as dead."""
     return {"status": "ok"}
 
 

@@ -17,6 +17,7 @@ from services.api.deps import (
     Limit,
     QueueDep,
     ReaderPrincipal,
+    Route,
     SessionDep,
     StoreDep,
 )
@@ -35,7 +36,7 @@ def _exit_if_fault_injected(trigger: Path | None) -> None:
         trigger.unlink(missing_ok=True)
         logger.error("fault injection: exiting between commit and enqueue (%s)", trigger)
         os._exit(70)
-router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"])
+router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"], route_class=Route)
 
 
 @router.post("", response_model=CompileJobBatch, status_code=status.HTTP_202_ACCEPTED)

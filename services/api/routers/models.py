@@ -28,6 +28,7 @@ from services.api.deps import (
     ModelId,
     QueueDep,
     ReaderPrincipal,
+    Route,
     SessionDep,
     SettingsDep,
     StoreDep,
@@ -40,7 +41,7 @@ from services.api.transfers import received_upload, scratch_of
 from services.db import repo
 
 logger = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1/models", tags=["models"])
+router = APIRouter(prefix="/v1/models", tags=["models"], route_class=Route)
 
 
 @router.post(

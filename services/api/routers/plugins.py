@@ -10,7 +10,14 @@ from schemas import BlobRef
 from schemas.errors import IntegrityError, InvalidRequest
 from schemas.plugins import PluginInfo
 from services.api.access import check_plugin_access
-from services.api.deps import AdminPrincipal, ReaderPrincipal, SessionDep, SettingsDep, StoreDep
+from services.api.deps import (
+    AdminPrincipal,
+    ReaderPrincipal,
+    Route,
+    SessionDep,
+    SettingsDep,
+    StoreDep,
+)
 from services.api.gate import BODY_LIMIT
 from services.api.inspection import inspect_plugin_bundle
 from services.api.threads import committed, run_slow
@@ -22,7 +29,7 @@ from services.api.transfers import (
 )
 from services.db import repo
 
-router = APIRouter(prefix="/v1/plugins", tags=["plugins"])
+router = APIRouter(prefix="/v1/plugins", tags=["plugins"], route_class=Route)
 BUNDLE_MEDIA_TYPE = "application/x-tar"
 
 

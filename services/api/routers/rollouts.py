@@ -10,10 +10,10 @@ from fastapi import APIRouter, Path, Query, Request
 
 from schemas.rollouts import Rollout, RolloutReport
 from services.api.auth import Role, check_agent
-from services.api.deps import AdminPrincipal, ReaderPrincipal, RoleDep, SessionDep
+from services.api.deps import AdminPrincipal, ReaderPrincipal, RoleDep, Route, SessionDep
 from services.db import repo
 
-router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"])
+router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"], route_class=Route)
 AgentPrincipal = RoleDep(Role.AGENT)
 RolloutRef = Annotated[str, Path(min_length=1, max_length=128, description=(
     "a rollout id, or a deployment name (its newest rollout)"))]

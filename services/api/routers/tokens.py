@@ -5,11 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.api.deps import AdminPrincipal, SessionDep
+from services.api.deps import AdminPrincipal, Route, SessionDep
 from services.db import repo
 from services.db.repo.tokens import JTI_PATTERN
 
-router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
+router = APIRouter(prefix="/v1/tokens", tags=["tokens"], route_class=Route)
 
 
 class TokenRevocation(BaseModel):

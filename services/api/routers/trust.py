@@ -12,10 +12,10 @@ from pathlib import Path
 from fastapi import APIRouter, Response
 from fastapi import Path as PathParam
 
-from services.api.deps import ReaderPrincipal, SettingsDep
+from services.api.deps import ReaderPrincipal, Route, SettingsDep
 from services.signer import root_metadata
 
-router = APIRouter(prefix="/v1/trust", tags=["trust"])
+router = APIRouter(prefix="/v1/trust", tags=["trust"], route_class=Route)
 ROOT = {200: {"content": {"application/json": {}},
               "description": "TUF root metadata, byte for byte as signed"}}
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from schemas.tuning import TuningRecordInfo
-from services.api.deps import Limit, ReaderPrincipal, SessionDep
+from services.api.deps import Limit, ReaderPrincipal, Route, SessionDep
 from services.db import repo
 
-router = APIRouter(prefix="/v1/tuning", tags=["tuning"])
+router = APIRouter(prefix="/v1/tuning", tags=["tuning"], route_class=Route)
 
 
 @router.get("", response_model=list[TuningRecordInfo])

@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from schemas.workers import WorkerInfo
-from services.api.deps import ReaderPrincipal, SessionDep
+from services.api.deps import ReaderPrincipal, Route, SessionDep
 from services.db import repo
 
-router = APIRouter(prefix="/v1/workers", tags=["workers"])
+router = APIRouter(prefix="/v1/workers", tags=["workers"], route_class=Route)
 
 
 @router.get("", response_model=list[WorkerInfo])

@@ -30,6 +30,7 @@ from services.api.deps import (
     ModelId,
     QueueDep,
     ReaderPrincipal,
+    Route,
     SessionDep,
     SettingsDep,
 )
@@ -55,7 +56,7 @@ from services.db import repo
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter(prefix=PREFIX, include_in_schema=False)
+router = APIRouter(prefix=PREFIX, include_in_schema=False, route_class=Route)
 
 #: The navigation: (label, route name). An entry shows only when the app has its route, so a
 #: page another part of the API adds (rollouts) appears once that route is included.

@@ -1,0 +1,89 @@
+"""Hostile clients against a real ``kiln api`` process, on SQLite and on PostgreSQL: a crowd
+of authenticated readers never hangs it, and ``/healthz`` keeps answering meanwhile.
+
+Counts and durations are small (seconds); ``bench/hostile.py`` runs the target counts and
+prints the times. No timed assertions beyond generous timeouts that only a hang can reach.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.hostile import KilnApi, Outcome, crowd, probe, token
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request: pytest.FixtureRequest) -> dict[str, str]:
+    if request.param == "sqlite":
+        return {}
+    return {"KILN_DATABASE_URL": request.getfixturevalue("postgres_url")}
+
+
+@pytest.fixture
+def busy_api(tmp_path: Path, database: dict[str, str]) -> Iterator[KilnApi]:
+    # Few threads and few pooled connections, so that a handful of clients is a crowd.
+    api = KilnApi(tmp_path / "home", {**database, "KILN_API_THREADS": "4",
+                                      "KILN_API_MAX_DB_REQUESTS": "12",
+                                      "KILN_DB_POOL_SIZE": "4", "KILN_DB_MAX_OVERFLOW": "2"})
+    api.start()
+    try:
+        yield api
+    finally:
+        api.stop()
+
+
+def test_a_crowd_of_readers_is_served_or_refused_never_hung(busy_api: KilnApi) -> None:
+    headers = {"Authorization": f"Bearer {token('reader')}"}
+    # A list, a route whose id is resolved by a dependency in its own thread hop (404), and
+    # another list: each holds a transaction in some hop.
+    paths = ["/v1/models", "/v1/models/0123abcd", "/v1/compile-jobs"]
+    result: list[Outcome] = []
+    load = threading.Thread(target=lambda: result.append(crowd(
+        busy_api.url, paths, clients=40, duration_s=4, headers=headers, timeout_s=15)))
+    load.start()
+    time.sleep(0.5)
+    health = probe(busy_api.url + "/healthz", every_s=0.25, until=time.monotonic() + 3.5,
+                   timeout_s=5)
+    load.join(40)
+    assert result, "the crowd did not finish"
+    answers = result[0].statuses
+    log = busy_api.log_tail()
+    assert set(answers) <= {"200", "404", "503"}, (answers, log)
+    assert answers["200"] + answers["404"] > 0, (answers, log)
+    assert set(health.statuses) == {"200"}, (health.statuses, log)
+    # And it serves at once afterwards: nothing is left waiting on a lock or a connection.
+    after = httpx.get(busy_api.url + "/v1/models", headers=headers, timeout=10)
+    assert after.status_code == 200, after.text
+
+
+def test_past_its_bound_a_request_is_refused_at_once_with_retry_after(
+        busy_api: KilnApi) -> None:
+    headers = {"Authorization": f"Bearer {token('reader')}"}
+    refused: list[httpx.Response] = []
+    lock = threading.Lock()
+    stop_at = time.monotonic() + 3
+
+    def client() -> None:
+        with httpx.Client(timeout=15, headers=headers) as http:
+            while time.monotonic() < stop_at and not refused:
+                answer = http.get(busy_api.url + "/v1/models")
+                if answer.status_code == 503:
+                    with lock:
+                        refused.append(answer)
+
+    threads = [threading.Thread(target=client) for _ in range(40)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert refused, "40 clients never went past KILN_API_MAX_DB_REQUESTS=12"
+    body = refused[0].json()
+    assert body["code"] == "database_unavailable", body
+    assert "KILN_API_MAX_DB_REQUESTS" in body["message"], body
+    assert refused[0].headers.get("retry-after") == "1"
