@@ -281,3 +281,23 @@ def test_on_a_host_that_stays_busy_fewer_threads_do_not_beat_the_default(
                                      lock=tmp_path / "bench.lock")
     assert not choice.measurement.quiet and choice.noise.remeasures >= 1
     assert choice.winner is default and "stayed busy" in choice.noise.verdict
+
+
+def test_a_sandboxed_build_waits_for_the_hosts_benchmark_lock(
+        tmp_path: Path, fingerprint: HardwareFingerprint) -> None:
+    # The build runs in a bounded child (Landlock, its own /tmp and /proc): it opens the
+    # worker's lock file for reading and still takes its turn.
+    from artifact_store.sandbox import Limits
+    from compiler_worker.sandbox import Sandbox
+    from schemas._canonical import sha256_hex
+
+    lock = ensure_lock_file(tmp_path / "bench.lock")
+    options = CompileOptions(tune="off", **QUICK)
+    plan = plan_build(sha256_hex(MODEL), options, fingerprint)
+    sandbox = Sandbox(Limits(wall_s=300), benchmark_lock=lock)
+    holder = _holder(lock, 2.0)
+    result = sandbox.compile_model(MODEL, options, fingerprint=fingerprint,
+                                   workdir=tmp_path / "job", plan=plan)
+    _window(holder)
+    noise = result.manifest.tuning.noise
+    assert noise.lock == str(lock) and noise.lock_held and noise.lock_wait_s > 0.3
