@@ -8,6 +8,7 @@ from __future__ import annotations
 from compiler_worker.backends.aotinductor import AOTInductorBackend
 from compiler_worker.backends.base import PIPELINE_VERSION, Backend, BuiltEngine, Candidate
 from compiler_worker.backends.onnxruntime import OnnxRuntimeBackend
+from compiler_worker.backends.openvino import OpenVinoBackend
 from compiler_worker.backends.tensorrt import TensorRTBackend
 from schemas.errors import BackendUnavailable, KilnError
 from schemas.fingerprint import HardwareFingerprint
@@ -20,6 +21,7 @@ __all__ = [
     "BuiltEngine",
     "Candidate",
     "OnnxRuntimeBackend",
+    "OpenVinoBackend",
     "TensorRTBackend",
     "available",
     "backend_for",
@@ -115,3 +117,4 @@ def backend_for(fingerprint: HardwareFingerprint, options: CompileOptions,
 register(OnnxRuntimeBackend.name, OnnxRuntimeBackend())
 register(TensorRTBackend.name, TensorRTBackend())
 register(AOTInductorBackend.name, AOTInductorBackend())
+register(OpenVinoBackend.name, OpenVinoBackend())
