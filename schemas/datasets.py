@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from schemas.errors import InvalidOptions, InvalidRequest
 from schemas.manifest import TensorSpec
+from schemas.options import CompileOptions, Precision
 
 if TYPE_CHECKING:
     import numpy as np
@@ -210,3 +211,32 @@ def check_dataset_fits(
                 f"sample of the dataset's array is {sample} (array {tensor.shape}; the first "
                 "axis is the sample index, so a sample must have the input's full shape, "
                 "batch axis included)", dataset_id=dataset_id, option=role, input=name)
+
+
+#: The fewest calibration samples Kiln gives NNCF's int8 methods (OpenVINO's post-training
+#: quantization and its accuracy-aware variant): the accuracy-aware method ranks groups of
+#: quantizers by how much each moves the metric sample by sample, and a handful of samples
+#: cannot rank them; the min/max statistics of post-training quantization are as thin.
+NNCF_MIN_CALIBRATION_SAMPLES = 16
+#: The backend whose int8 candidates calibrate with NNCF.
+NNCF_BACKEND = "openvino"
+
+
+def check_nncf_calibration(options: CompileOptions, samples: int, *, dataset_id: str,
+                           role: str) -> None:
+    """Refuse (``InvalidOptions``) a dataset of ``samples`` samples that would calibrate
+    NNCF's int8 quantization with fewer than ``NNCF_MIN_CALIBRATION_SAMPLES``: when the
+    options name only the backend that uses NNCF and allow int8 (``precision`` ``auto`` or
+    ``int8``). ``role`` says which option calibrates (``calibration``, or ``samples`` when no
+    calibration dataset is named). Where other backends may build too, their int8 candidates
+    take small sets, and OpenVINO's record the same reason instead of failing the submit."""
+    if list(options.backends) != [NNCF_BACKEND] or options.precision not in (
+            Precision.AUTO, Precision.INT8):
+        return
+    if samples < NNCF_MIN_CALIBRATION_SAMPLES:
+        raise InvalidOptions(
+            f"options.{role}: dataset {dataset_id} holds {samples} samples; {NNCF_BACKEND}'s "
+            f"int8 calibration (NNCF) needs at least {NNCF_MIN_CALIBRATION_SAMPLES}. Upload a "
+            f"calibration dataset with {NNCF_MIN_CALIBRATION_SAMPLES} or more samples, or use "
+            f"precision fp32 or bf16", dataset_id=dataset_id, option=role,
+            minimum=NNCF_MIN_CALIBRATION_SAMPLES, samples=samples)

@@ -7,7 +7,7 @@ import logging
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from schemas.datasets import DatasetInfo, check_dataset_fits
+from schemas.datasets import DatasetInfo, check_dataset_fits, check_nncf_calibration
 from schemas.errors import InvalidRequest, NotFound
 from schemas.manifest import TensorSpec
 from schemas.models import ModelInfo
@@ -94,3 +94,6 @@ def check_compile_datasets(
             continue
         dataset = require_dataset(session, dataset_id=dataset_id, role=f"options.{role}")
         check_dataset_fits(dataset.tensors, model.inputs, dataset_id=dataset_id, role=role)
+        # The set that calibrates: the calibration dataset, else the samples.
+        if role == "calibration" or options.calibration is None:
+            check_nncf_calibration(options, dataset.samples, dataset_id=dataset_id, role=role)
