@@ -1,4 +1,5 @@
-"""The API process must import and serve with no onnxruntime, TensorRT or torch installed."""
+"""The API process must import and serve with no onnxruntime, TensorRT, torch, OpenVINO or
+NNCF installed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ BLOCKER = """
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"onnxruntime", "tensorrt", "torch"}:
+        if name.split(".")[0] in {"onnxruntime", "tensorrt", "torch", "openvino", "nncf"}:
             raise ImportError(f"{name} is blocked in this test")
 sys.meta_path.insert(0, Block())
 """
@@ -23,7 +24,7 @@ from services.config import KilnSettings
 app = create_app(KilnSettings(home=sys.argv[1], env="dev"))
 with TestClient(app) as client:
     assert client.get("/healthz").status_code == 200
-assert not {"onnxruntime", "tensorrt", "torch"} & set(sys.modules)
+assert not {"onnxruntime", "tensorrt", "torch", "openvino", "nncf"} & set(sys.modules)
 print("ok")
 """
 
