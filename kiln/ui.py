@@ -103,7 +103,9 @@ def tuning_table(tuning: TuningTable) -> Table:
     table = Table(title=f"tuning for {tuning.fingerprint_key} · {tuning.toolchain}{reused}",
                   caption=f"inputs {tuning.inputs} · {tuning.elapsed_s:.1f} s of a "
                           f"{tuning.budget_s:.0f} s budget · {tuning.rounds} interleaved rounds"
-                          f" · winner: {tuning.winner or 'none'}")
+                          f" · winner: {tuning.winner or 'none'}"
+                          + (f" · {tuning.noise.measurements} measurement(s), "
+                             f"{tuning.noise.verdict}" if tuning.noise else ""))
     for column in ("candidate", "backend", "precision", "verification"):
         table.add_column(column)
     for column in ("p50 ms", "p90 ms", "build s"):
