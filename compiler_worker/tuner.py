@@ -1,15 +1,29 @@
 """The tuner: build every candidate, verify each, benchmark the survivors side by side, keep the
 fastest.
 
-Measure, record, reuse. Each candidate a backend offers (``Backend.candidates``) is built into
-its own folder and loaded by the executor twin exactly as an agent will load it. fp32
-candidates must match the fp32 reference element-wise within ``options.tolerance``; reduced
-precision candidates (int8, bf16, ...) are judged by ``options.accuracy`` instead (cosine,
-top-1 agreement or max abs error against the same reference on the same feeds), since an
-element-wise tolerance is the wrong yardstick for int8. The candidates that pass are
-benchmarked in interleaved rounds (round ``r`` runs every candidate in turn), so drift on a
-busy machine hits them alike; the lowest median wins. Every candidate lands in the
-``TuningTable`` with its figures and why it lost.
+Measure, record, reuse. Each candidate a backend offers (``Backend.candidates``), of the job's
+backend and of its peers (other backends of this hardware that take the model: the winner may
+be any backend's), is built into its own folder and loaded by the executor twin exactly as an
+agent will load it. fp32 candidates must match the fp32 reference element-wise within
+``options.tolerance``; reduced precision candidates (int8, bf16, ...) are judged by
+``options.accuracy`` instead (cosine, top-1 agreement or max abs error against the same
+reference on the same feeds), since an element-wise tolerance is the wrong yardstick for
+int8. A candidate with ``fallback_of`` is built only when its group missed the gate.
+
+Measuring (``_benchmark``) holds the host's benchmark lock (``benchmark.host_lock``): one
+benchmark at a time per host, building outside it. Every candidate that passed gets a warm-up
+call and ``SCREEN_CALLS`` timed warm calls; only a candidate whose fastest call is beyond
+``PRUNE_RATIO`` times the fastest candidate's slowest is pruned. The finalists, every
+backend's, are then timed in the same interleaved rounds (round ``r`` runs every candidate in
+turn, so drift hits them alike), with the host's CPU sampled before and during each round.
+A busy host (other processes' share of the CPU over ``BUSY_THRESHOLD``, steal over
+``STEAL_THRESHOLD``) or a fastest finalist within noise of the default (their timings' middle
+halves overlap) is measured again, up to ``MAX_REMEASURES`` times within the budget. The
+quietest measurement decides: the fastest wins when it is separable from the default,
+otherwise the default is kept; on a host that stayed busy, no candidate with another thread
+policy than the default's wins (contention favours fewer threads; the node that runs the
+engine is not contended so). The figures and the verdict land in ``TuningTable.noise``, every
+candidate in the table with its figures and why it lost.
 
 ``options.tuning_budget_s`` bounds the wall-clock time of the search: the first candidate is
 always built; once the budget is spent, the remaining ones are recorded as ``over_budget`` and

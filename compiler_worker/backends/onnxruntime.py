@@ -8,12 +8,19 @@ Candidates (``candidates``), the default first:
 
 - fp32 at levels 3, 1 and 2 (sequential execution, onnxruntime's default intra-op threads),
   level 3 with parallel execution, and level 3 on one intra-op thread (tiny models lose more
-  to thread hand-offs than they gain);
+  to thread hand-offs than they gain). Threads are a policy (``thread_policy``, resolved by
+  the executor against the node's own cores), never the tuning worker's count;
 - where the precision policy allows it: ``int8-dynamic`` (``quantize_dynamic``, weights int8
   per tensor, activations quantized at run time) and ``int8-static-qdq`` (``quantize_static``
-  in QDQ format with per-channel weights, calibrated on the calibration dataset, or on the
-  samples when no calibration set is given); on CPUs without VNNI, weights use the reduced
-  7-bit range that keeps AVX2's ``vpmaddubsw`` from saturating;
+  in QDQ format with per-channel weights and MinMax ranges, calibrated on the calibration
+  dataset, or on the samples when no calibration set is given); on CPUs without VNNI,
+  weights use the reduced 7-bit range that keeps AVX2's ``vpmaddubsw`` from saturating.
+  When static int8 misses the accuracy gate, the tuner builds, one after another until one
+  meets it (``Candidate.fallback_of``): Percentile and Entropy calibration, the edge nodes
+  (first and last int8 nodes, those next to a softmax or a normalization) kept in fp32, and
+  the most sensitive nodes kept in fp32 (each int8 node's output against the fp32 model's on
+  a few calibration feeds, by signal-to-quantization-noise ratio: the nodes that lose the
+  most);
 - ``bf16-fastmath`` on aarch64 CPUs with bf16 instructions (MLAS's bf16 GEMM). onnxruntime's
   CPU provider has no bf16 or fp16 GEMM on x86-64, so those candidates are recorded as
   skipped there rather than built as something else.
