@@ -25,7 +25,6 @@ set, and a refusal is the dashboard's own answer (a redirect to its login page, 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -53,9 +52,6 @@ from services.api.revocations import RevocationList
 from services.config import KilnSettings
 
 logger = logging.getLogger(__name__)
-
-#: Distinct (method, path) pairs whose route ``FrontDoor.match`` remembers.
-MATCH_CACHE = 65_536
 
 #: ``openapi_extra`` key of an upload route: the settings field holding its body limit.
 BODY_LIMIT = "x-kiln-body-limit"
@@ -169,10 +165,14 @@ class FrontDoor:
         self.public = frozenset(public)
         self.revocations = revocations
         self._policies: list[tuple[RouteContext, _Policy | None]] | None = None
-        #: (method, root path, path) → what ``match`` found: every request walked the
-        #: routes once here before the router walked them again (10,000 agents' heartbeat
-        #: paths fit; the least recently used are dropped beyond that).
-        self._matched = functools.lru_cache(maxsize=MATCH_CACHE)(self._match)
+        #: The routes by the static segments their path template starts with (before its
+        #: first parameter), in the order they are matched: a request is matched against
+        #: the few whose segments its path starts with, not all of them. Keyed by templates
+        #: only: nothing a client sends is kept (a cache by request path held every
+        #: unauthenticated path sent, up to gigabytes).
+        self._index: dict[tuple[str, ...], list[tuple[int, RouteContext, _Policy | None]]] \
+            | None = None
+        self._depth = 0
 
     # ------------------------------------------------------------ policy per route
     def _json_policy(self, roles: tuple[Role, ...] | None) -> _Policy:
@@ -219,8 +219,35 @@ class FrontDoor:
     def match(self, scope: Scope) -> tuple[_Policy, dict[str, object]]:
         """The policy of the route ``scope`` reaches (a route matching the path but not the
         method counts: a 405 follows), with its path parameters; a path no route has needs a
-        token (404 after). Remembered per method and path (the routes never change)."""
-        return self._matched(scope.get("method"), scope.get("root_path", ""), scope["path"])
+        token (404 after)."""
+        return self._match(scope.get("method"), scope.get("root_path", ""), scope["path"])
+
+    def _route_index(self) -> dict[tuple[str, ...],
+                                   list[tuple[int, RouteContext, _Policy | None]]]:
+        if self._index is None:
+            index: dict[tuple[str, ...], list[tuple[int, RouteContext, _Policy | None]]] = {}
+            for order, (context, policy) in enumerate(self._route_policies()):
+                prefix = _static_prefix(getattr(context, "path", None))
+                index.setdefault(prefix, []).append((order, context, policy))
+                self._depth = max(self._depth, len(prefix))
+            self._index = index
+        return self._index
+
+    def remembered(self) -> int:
+        """How many entries the front door keeps to match requests: one per route, however
+        many distinct paths clients send."""
+        return sum(len(entries) for entries in self._route_index().values())
+
+    def _candidates(self, path: str) -> list[tuple[RouteContext, _Policy | None]]:
+        """The routes that may match ``path`` (those whose template's static start it
+        starts with), in matching order."""
+        index = self._route_index()
+        segments = path.split("/", self._depth)
+        found: list[tuple[int, RouteContext, _Policy | None]] = []
+        for depth in range(min(len(segments), self._depth) + 1):
+            found += index.get(tuple(segments[:depth]), ())
+        found.sort(key=lambda entry: entry[0])
+        return [(context, policy) for _, context, policy in found]
 
     def _match(self, method: str | None, root_path: str,
                path: str) -> tuple[_Policy, dict[str, object]]:
@@ -228,8 +255,9 @@ class FrontDoor:
             return self._json_policy(None), {}
         scope: Scope = {"type": "http", "method": method, "root_path": root_path,
                         "path": path}
+        route_path = path[len(root_path):] if root_path and path.startswith(root_path) else path
         found: tuple[_Policy | None, dict[str, object]] | None = None
-        for context, policy in self._route_policies():
+        for context, policy in self._candidates(route_path):
             match, child = context.matches(scope)
             if match is Match.FULL:
                 found = (policy, child.get("path_params", {}))
@@ -321,6 +349,17 @@ class FrontDoor:
         if revoked:
             raise revoked_error(principal.jti)
         return principal
+
+
+def _static_prefix(template: str | None) -> tuple[str, ...]:
+    """The segments of a route's path template before its first parameter (``("", "v1",
+    "agents")`` for ``/v1/agents/{name}/heartbeat``); ``()`` when it has no path."""
+    prefix: list[str] = []
+    for segment in (template or "").split("/") if template else ():
+        if "{" in segment:
+            break
+        prefix.append(segment)
+    return tuple(prefix)
 
 
 #: Headers of a refusal by the front door, by its code.

@@ -87,3 +87,44 @@ def test_past_its_bound_a_request_is_refused_at_once_with_retry_after(
     assert body["code"] == "database_unavailable", body
     assert "KILN_API_MAX_DB_REQUESTS" in body["message"], body
     assert refused[0].headers.get("retry-after") == "1"
+
+
+@pytest.fixture(scope="module")
+def quiet_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnApi]:
+    api = KilnApi(tmp_path_factory.mktemp("quiet") / "home")
+    api.start()
+    try:
+        yield api
+    finally:
+        api.stop()
+
+
+def _unique_paths(count: int, size: int, start: int = 0) -> list[str]:
+    return [f"/v1/models/{index:08d}{'x' * size}" for index in range(start, start + count)]
+
+
+def test_unauthenticated_unique_paths_leave_the_api_s_memory_flat(quiet_api: KilnApi) -> None:
+    warm = crowd(quiet_api.url, _unique_paths(200, 15_000), clients=4, duration_s=1,
+                 headers={})
+    assert set(warm.statuses) == {"401"}, warm.statuses
+    before = quiet_api.rss()
+    paths = _unique_paths(3000, 15_000, start=1000)
+    outcome = Outcome()
+    lock = threading.Lock()
+
+    def client(share: list[str]) -> None:
+        with httpx.Client(timeout=30) as http:
+            for path in share:
+                status = str(http.get(quiet_api.url + path).status_code)
+                with lock:
+                    outcome.add(status, 0.0)
+
+    threads = [threading.Thread(target=client, args=(paths[i::4],)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    grown = quiet_api.rss() - before
+    assert outcome.statuses == {"401": 3000}, outcome.statuses
+    # 3,000 paths of 15 KB are 45 MB: kept, they would show.
+    assert grown < 20 * 1024 * 1024, f"the API grew by {grown / 2**20:.1f} MB"
