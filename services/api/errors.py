@@ -85,6 +85,14 @@ def install_error_handlers(app: FastAPI) -> None:
     for error_class in DATABASE_ERRORS:
         app.add_exception_handler(error_class, _database_unavailable)
 
+    @app.exception_handler(sa_exc.StatementError)
+    async def _statement_error(request: Request, exc: sa_exc.StatementError):
+        # A check run while SQLAlchemy prepares a statement (a JSON value holding a NUL:
+        # ``services/db/session.py``) raises our error; SQLAlchemy wraps it.
+        if isinstance(exc.orig, KilnError):
+            return await _kiln_error(request, exc.orig)
+        return await _unexpected(request, exc)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         logger.exception("unhandled error on %s %s", request.method, request.url.path)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
+import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -273,6 +275,9 @@ class FrontDoor:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if (problem := control_character(scope)) is not None:
+            await _reply(send, 400, ErrorBody(code=ErrorCode.INVALID_REQUEST, message=problem))
+            return
         policy, path_params = self.match(scope)
         headers = dict(scope.get("headers") or [])
         if policy.roles is not None:
@@ -349,6 +354,27 @@ class FrontDoor:
         if revoked:
             raise revoked_error(principal.jti)
         return principal
+
+
+#: C0 control characters and DEL: never part of an id, a name or a query value. PostgreSQL
+#: cannot store NUL in text (it failed with a 500 after the route had run), and logs must not
+#: carry raw control characters.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL_BYTES = re.compile(rb"[\x00-\x1f\x7f]")
+
+
+def control_character(scope: Scope) -> str | None:
+    """What is wrong with a request whose path or query string (percent-decoded) holds a
+    control character, naming where and which (never the raw text); ``None`` when neither
+    does."""
+    if found := _CONTROL.search(scope["path"]):
+        return (f"the request path holds the control character U+{ord(found.group()):04X} "
+                f"at character {found.start()}; ids and names in a path are printable text")
+    query = scope.get("query_string") or b""
+    if found := _CONTROL_BYTES.search(urllib.parse.unquote_to_bytes(query.replace(b"+", b" "))):
+        return (f"the query string holds the control character U+{found.group()[0]:04X} "
+                f"(percent-decoded, at byte {found.start()}); query values are printable text")
+    return None
 
 
 def _static_prefix(template: str | None) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ such as ``repo.start_job`` is atomic there as it is on PostgreSQL with ``FOR UPD
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 from sqlalchemy.orm import Session, sessionmaker
+
+from schemas.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +49,12 @@ def _engine(url: str, *, sqlite_foreign_keys: bool, pool_size: int = 5,
             max_overflow: int = 10) -> sa.Engine:
     sa_url = sa.make_url(url)
     if sa_url.get_backend_name() != "sqlite":
-        return sa.create_engine(sa_url, pool_pre_ping=True, pool_size=pool_size,
-                                max_overflow=max_overflow)
-    engine = sa.create_engine(sa_url)
+        engine = sa.create_engine(sa_url, pool_pre_ping=True, pool_size=pool_size,
+                                  max_overflow=max_overflow, json_serializer=_json_without_nul)
+        sa.event.listen(engine, "before_cursor_execute", _refuse_nul)
+        return engine
+    engine = sa.create_engine(sa_url, json_serializer=_json_without_nul)
+    sa.event.listen(engine, "before_cursor_execute", _refuse_nul)
     pragmas = (
         f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}",
         "PRAGMA journal_mode = WAL",
@@ -71,6 +77,47 @@ def _engine(url: str, *, sqlite_foreign_keys: bool, pool_size: int = 5,
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+def _nul_error(where: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"{where} holds the NUL character (U+0000), which the database cannot store; names, "
+        f"labels, selectors and other text must not contain it", field=where)
+
+
+def _without_nul(value: Any, where: str) -> None:
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise _nul_error(where)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and "\x00" in key:
+                raise _nul_error(f"a key of {where}")
+            _without_nul(item, f"{where}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _without_nul(item, f"{where}[{index}]")
+
+
+def _json_without_nul(value: Any) -> str:
+    """JSON columns' serializer: PostgreSQL refuses ``\\u0000`` in ``jsonb`` and stored it in
+    ``json`` for a later read to fail; refused on both databases, before the statement runs
+    (the API answers 400: ``services/api/errors.py``)."""
+    _without_nul(value, "a JSON value")
+    return json.dumps(value)
+
+
+def _refuse_nul(_connection: Any, _cursor: Any, _statement: str, parameters: Any,
+                _context: Any, _executemany: bool) -> None:
+    """Text parameters with a NUL are refused before they reach the database: PostgreSQL
+    refuses them mid-transaction (a 500), SQLite stores them. One place for every table and
+    every way in (bodies, forms, query values, uploaded graphs' names)."""
+    rows = parameters if isinstance(parameters, list) else [parameters]
+    for row in rows:
+        items = row.items() if isinstance(row, dict) else enumerate(row or ())
+        for name, value in items:
+            if isinstance(value, str) and "\x00" in value:
+                raise _nul_error(f"the value of {name!r}")
 
 
 def make_session_factory(engine: sa.Engine) -> sessionmaker[Session]:
