@@ -55,6 +55,7 @@ import re
 import resource
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -132,6 +133,18 @@ class Limits:
     network_isolation: bool = True
     #: Use at most this Landlock ABI (``None``: the kernel's); tests pin older kernels' rules.
     landlock_max_abi: int | None = None
+    #: Tasks (processes and threads) the child and everything it starts may have at once: a
+    #: pids cgroup where one is writable, and ``RLIMIT_NPROC`` counted inside the child's own
+    #: user namespace (which does not bind uid 0: a root worker needs the cgroup). A fork past
+    #: it fails with ``EAGAIN``. ``None``: no limit.
+    processes: int | None = 1024
+    #: Give the child a PID namespace of its own (with user namespaces): it sees only its own
+    #: processes in a fresh ``/proc``, and everything it started is killed when its step
+    #: ends, a descendant that called ``setsid()`` included.
+    process_isolation: bool = True
+    #: Refuse ``socket(AF_UNIX, ...)`` in the child (seccomp): no connection to a pathname
+    #: Unix socket anywhere (a database's, a daemon's). Pairs (``socketpair``) still work.
+    unix_socket_isolation: bool = True
 
 
 @dataclass
@@ -149,6 +162,14 @@ class SandboxReport:
     landlock_abi: int = 0
     landlock_network: bool = False
     landlock_signals: bool = False
+    #: A PID namespace of its own, with a fresh ``/proc`` showing only its processes.
+    pid_namespace: bool = False
+    #: ``/run`` (and ``/var/run``) replaced by an empty folder: no daemon's socket there.
+    run_hidden: bool = False
+    #: ``socket(AF_UNIX, ...)`` refused (seccomp): no connection to any pathname socket.
+    unix_sockets_refused: bool = False
+    #: What bounds its number of tasks: ``cgroup``, ``rlimit`` (both may), or nothing.
+    process_limit: list[str] = field(default_factory=list)
     not_enforced: list[str] = field(default_factory=list)
 
 
@@ -254,11 +275,13 @@ def run_sandboxed(
     scratch = Path(scratch).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
     roots, listable, files = _readable_roots(readable)
+    cgroup, why_not = _pids_cgroup(limits.processes)
     answer_r, answer_w = os.pipe()
     request = {
         "target": target, "args": dict(args), "scratch": str(scratch), "answer_fd": answer_w,
         "limits": asdict(limits), "read_roots": roots, "list_roots": listable,
         "read_files": files, "devices": accelerator_devices(), "parent": os.getpid(),
+        "pids_cgroup": None if cgroup is None else str(cgroup), "pids_cgroup_refused": why_not,
     }
     command = [sys.executable, "-s", "-B", "-P", "-m", "artifact_store.sandbox"]
     started = time.monotonic()
@@ -268,6 +291,9 @@ def run_sandboxed(
             cwd=scratch, env=child_environment(scratch), pass_fds=(answer_w,),
             start_new_session=True,
         )
+    except BaseException:
+        _remove_cgroup(cgroup)
+        raise
     finally:
         os.close(answer_w)
     state = _Exchange(stage=stage, on_event=on_event)
@@ -298,6 +324,7 @@ def run_sandboxed(
         os.close(answer_r)
         if child.stdout is not None:
             child.stdout.close()
+        _remove_cgroup(cgroup)
     elapsed = time.monotonic() - started
     logger.info("sandboxed %s (%s) ended with %s after %.2fs", target, state.stage, returncode,
                 elapsed)
@@ -315,6 +342,94 @@ def _has_exited(pid: int) -> bool:
 def _kill_group(child: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(child.pid, signal.SIGKILL)
+
+
+#: Prefix of the pids cgroups made for children (one per run, removed after it).
+CGROUP_PREFIX = "kiln-sandbox-"
+
+
+def _pids_hierarchy() -> Path | None:
+    """The folder of this process's own cgroup in a hierarchy with the pids controller:
+    cgroup v1's ``pids`` mount, else the unified (v2) one where ``pids`` is among its
+    controllers. ``None`` where there is none."""
+    own: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for name in controllers.split(",") if controllers else [""]:
+                own[name] = path
+    try:
+        mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    for line in mounts:
+        left, _, right = line.partition(" - ")
+        fields, kind = left.split(), right.split()
+        if len(fields) < 5 or len(kind) < 3:
+            continue
+        if kind[0] == "cgroup" and "pids" in kind[2].split(",") and "pids" in own:
+            path = own["pids"]
+        elif kind[0] == "cgroup2" and "" in own:
+            path = own[""]
+        else:
+            continue
+        folder = Path(fields[4], os.path.relpath(path, fields[3]))
+        if kind[0] == "cgroup2" and "pids" not in _read_text(folder / "cgroup.controllers"):
+            continue
+        if folder.is_dir():
+            return folder
+    return None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _pids_cgroup(limit: int | None) -> tuple[Path | None, str | None]:
+    """A fresh pids cgroup holding at most ``limit`` tasks, for one child to join: (its
+    folder, None), or (None, why there is none)."""
+    if limit is None or sys.platform != "linux":
+        return None, None
+    parent = _pids_hierarchy()
+    if parent is None:
+        return None, "no cgroup hierarchy with the pids controller is mounted"
+    folder = parent / f"{CGROUP_PREFIX}{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        folder.mkdir()
+    except OSError as exc:
+        return None, f"{parent} is not writable ({exc.strerror})"
+    try:
+        (folder / "pids.max").write_text(str(limit))
+    except OSError as exc:
+        _remove_cgroup(folder)
+        return None, f"{folder}/pids.max cannot be set ({exc.strerror}; the pids controller " \
+                     f"is not enabled for {parent}'s children)"
+    return folder, None
+
+
+def _remove_cgroup(folder: Path | None) -> None:
+    """Kill whatever is left in ``folder`` and remove it."""
+    if folder is None:
+        return
+    deadline = time.monotonic() + 5
+    while True:
+        for pid in _read_text(folder / "cgroup.procs").split():
+            with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        try:
+            folder.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:  # busy until its last task is reaped
+            if time.monotonic() > deadline:
+                logger.warning("sandbox: cannot remove the pids cgroup %s (%s)", folder,
+                               exc.strerror)
+                return
+            time.sleep(0.02)
 
 
 class _Exchange:
@@ -509,13 +624,21 @@ def _error_class(code: ErrorCode) -> type[KilnError]:
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWNS = 0x00020000
+_CLONE_NEWPID = 0x20000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x2, 0x4, 0x8
 _MS_BIND, _MS_REC, _MS_PRIVATE = 0x1000, 0x4000, 0x40000
+#: Folders where daemons keep their sockets, replaced by an empty one in the child's mount
+#: namespace (``/var/run`` is usually a link to ``/run``).
+RUN_FOLDERS = ("/run", "/var/run")
 #: The child's own /tmp, inside its scratch folder (bound over /tmp in its mount namespace).
 PRIVATE_TMP = "tmp"
 #: How the report's line begins when the child keeps the host's /tmp (logged at info level).
 TMP_NOTE = "tmp:"
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_PDEATHSIG = 1
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+#: Per architecture: the seccomp audit value and the number of ``socket(2)``.
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
 # Landlock system calls (the same numbers on every architecture).
 _SYS_LANDLOCK_CREATE_RULESET = 444
 _SYS_LANDLOCK_ADD_RULE = 445
@@ -571,27 +694,39 @@ def _apply_rlimits(limits: Limits, *, gpu: bool = False) -> str:
     return memory
 
 
-def _unshare(report: SandboxReport, request: Mapping[str, Any]) -> None:
-    """A user and network namespace of the child's own and, with them, a mount namespace in
-    which its scratch folder's ``tmp/`` is bound over ``/tmp`` (``_private_tmp``)."""
+def _unshare(report: SandboxReport, request: Mapping[str, Any],
+             limits: Limits) -> tuple[bool, bool]:
+    """A user namespace of the child's own and, with it, a network namespace
+    (``network_isolation``), a mount namespace (its scratch folder's ``tmp/`` bound over
+    ``/tmp``: ``_private_tmp``; ``/run`` hidden: ``_hide_run``) and a PID namespace
+    (``process_isolation``; entered by the next process forked, ``_enter_pid_namespace``).
+    Answers (in a user namespace, a PID namespace to enter)."""
     libc = _libc()
     uid, gid = os.getuid(), os.getgid()
-    flags = _CLONE_NEWUSER | _CLONE_NEWNET
-    mounts = libc.unshare(flags | _CLONE_NEWNS) == 0
-    if not mounts and libc.unshare(flags) != 0:
-        err = ctypes.get_errno()
-        report.not_enforced.append(
-            f"network: no new network namespace (unshare: {os.strerror(err)}; user "
-            f"namespaces are not allowed here), so the child shares the host's network"
-            + ("; Landlock still refuses TCP" if report.landlock_network else ""))
-        return
-    report.network_namespace = True
+    base = _CLONE_NEWUSER | (_CLONE_NEWNET if limits.network_isolation else 0)
+    pid = _CLONE_NEWPID if limits.process_isolation else 0
+    flags = next((f for f in dict.fromkeys((base | _CLONE_NEWNS | pid, base | _CLONE_NEWNS,
+                                            base)) if libc.unshare(f) == 0), None)
+    if flags is None:
+        err = os.strerror(ctypes.get_errno())
+        if limits.network_isolation:
+            report.not_enforced.append(
+                f"network: no new network namespace (unshare: {err}; user "
+                f"namespaces are not allowed here), so the child shares the host's network"
+                + ("; Landlock still refuses TCP" if report.landlock_network else ""))
+        if limits.process_isolation:
+            report.not_enforced.append(
+                f"processes: no PID namespace (unshare: {err}), so the child sees every "
+                f"process in /proc, and a descendant that starts a session of its own "
+                f"outlives the step")
+        return False, False
+    report.network_namespace = bool(flags & _CLONE_NEWNET)
     # The same user inside as outside, so files it creates and reads keep their owner.
     with contextlib.suppress(OSError):
         Path("/proc/self/setgroups").write_text("deny")
         Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
         Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
-    if mounts:
+    if flags & _CLONE_NEWNS:
         refused = _private_tmp(libc, request)
         report.private_tmp = refused is None
         if refused is not None:
@@ -599,6 +734,177 @@ def _unshare(report: SandboxReport, request: Mapping[str, Any]) -> None:
                 f"{TMP_NOTE} the child keeps the host's /tmp, which Landlock closes to it, "
                 f"because {refused}: a library that writes only to /tmp (torch 2.11's "
                 f"AOTInductor package loader) fails in it")
+        _hide_run(libc, request, report)
+    else:
+        report.not_enforced.append("run: no mount namespace, so /run (daemons' sockets) "
+                                   "stays visible to the child")
+    if limits.process_isolation and not flags & _CLONE_NEWPID:
+        report.not_enforced.append(
+            f"processes: no PID namespace (unshare: {os.strerror(ctypes.get_errno())}), so "
+            f"the child sees every process in /proc, and a descendant that starts a session "
+            f"of its own outlives the step")
+    return True, bool(flags & _CLONE_NEWPID)
+
+
+def _hide_run(libc: ctypes.CDLL, request: Mapping[str, Any], report: SandboxReport) -> None:
+    """An empty tmpfs over ``/run`` (and ``/var/run`` where it is a folder of its own) in
+    the child's mount namespace: the sockets daemons keep there (PostgreSQL's, MySQL's,
+    Docker's) and ``/run/secrets`` are not even visible. Not where the scratch folder or a
+    path the caller names lies there (system files that link there, such as a
+    ``resolv.conf``, are of no use to a child with no network)."""
+    needed = [request["scratch"], *request["read_roots"], *request["list_roots"],
+              *request.get("devices", [])]
+    hidden, kept = [], []
+    for folder in RUN_FOLDERS:
+        real = Path(folder).resolve()
+        if str(real) in hidden or not real.is_dir():
+            continue
+        inside = sorted(p for p in needed if Path(p).resolve().is_relative_to(real))
+        if inside:
+            kept.append(f"{real} (it reads {', '.join(inside)})")
+            continue
+        if libc.mount(b"tmpfs", str(real).encode(), b"tmpfs",
+                      _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"size=16k,mode=755") != 0:
+            kept.append(f"{real} (mounting over it failed: "
+                        f"{os.strerror(ctypes.get_errno())})")
+            continue
+        hidden.append(str(real))
+    report.run_hidden = bool(hidden) and not kept
+    if kept:
+        report.not_enforced.append(f"run: the child still sees {'; '.join(kept)}")
+
+
+def _join_cgroup(request: Mapping[str, Any]) -> str | None:
+    """Move this process into the pids cgroup its parent made (before any namespace: the
+    cgroup belongs to the host's). ``None`` when joined, else why not."""
+    folder = request.get("pids_cgroup")
+    if folder is None:
+        return request.get("pids_cgroup_refused")
+    try:
+        Path(folder, "cgroup.procs").write_text(str(os.getpid()))
+    except OSError as exc:
+        return f"joining {folder} failed ({exc.strerror})"
+    return None
+
+
+def _limit_processes(limits: Limits, report: SandboxReport, *, own_user_namespace: bool,
+                     cgroup_refused: str | None) -> None:
+    """``RLIMIT_NPROC`` where it bounds the child's own tasks only: in a user namespace of its
+    own the kernel counts a uid's tasks per namespace (Linux 5.14+), so the limit is on what
+    the child starts, not on every process of the worker's user; it does not bind uid 0."""
+    if limits.processes is None:
+        return
+    if cgroup_refused is None:
+        report.process_limit.append("cgroup")
+    if own_user_namespace:
+        _, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+        value = limits.processes if hard == resource.RLIM_INFINITY else min(limits.processes,
+                                                                           hard)
+        resource.setrlimit(resource.RLIMIT_NPROC, (value, value))
+        if os.getuid() != 0:
+            report.process_limit.append("rlimit")
+    if not report.process_limit:
+        why = ("RLIMIT_NPROC does not bind uid 0" if own_user_namespace and os.getuid() == 0
+               else "without a user namespace of its own RLIMIT_NPROC would count every "
+                    "process of the worker's user")
+        report.not_enforced.append(
+            f"processes: the number of tasks the child may start is not bounded: no pids "
+            f"cgroup ({cgroup_refused}) and {why}")
+
+
+def _enter_pid_namespace(report: SandboxReport) -> None:
+    """Fork the PID namespace's init, which mounts a fresh ``/proc`` (the child's processes
+    only) and forks the process that runs the step; returns in that one only. Init reaps
+    what the step leaves and, when the step's process ends, exits with its status (128 + the
+    signal where a signal ended it): the kernel then kills everything left in the namespace
+    (a descendant in a session of its own included). This process waits for init and ends
+    as the step did, so the parent reads the step's own status."""
+    init = os.fork()
+    if init:
+        _end_as(init)
+    libc = _libc()
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
+                  None) == 0:
+        report.pid_namespace = True
+    else:
+        report.not_enforced.append(
+            f"proc: a fresh /proc could not be mounted "
+            f"({os.strerror(ctypes.get_errno())}), so the child reads the host's: every "
+            f"process's command line")
+    step = os.fork()
+    if step == 0:
+        return
+    status = 1
+    while True:
+        try:
+            pid, raw = os.wait()
+        except ChildProcessError:
+            break
+        if pid == step:
+            code = os.waitstatus_to_exitcode(raw)
+            status = code if code >= 0 else 128 - code
+            break
+    os._exit(status)
+
+
+def _end_as(init: int) -> None:
+    """Wait for the namespace's init and end the way the step did (its signal re-raised)."""
+    _, raw = os.waitpid(init, 0)
+    code = os.waitstatus_to_exitcode(raw)
+    signum = -code if code < 0 else code - 128 if code > 128 else 0
+    if signum in signal.valid_signals() and signum not in (signal.SIGSTOP, signal.SIGCONT):
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    os._exit(code if code >= 0 else 128 - code)
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _refuse_unix_sockets(report: SandboxReport) -> None:
+    """A seccomp filter that fails ``socket(AF_UNIX, ...)`` with ``EACCES``: Landlock (up to
+    ABI 7) does not govern connecting to a pathname socket, and one may lie anywhere
+    (``/tmp``, a home folder); without a socket of that family none can be reached.
+    ``socketpair`` stays allowed (a connected pair reaches no path). System calls of another
+    ABI than the native one (i386's ``socketcall``, x32) are refused outright."""
+    arch = _SECCOMP_ARCH.get(os.uname().machine)
+    if arch is None:
+        report.not_enforced.append(f"unix sockets: no seccomp filter for "
+                                   f"{os.uname().machine}, so the child may connect to "
+                                   f"pathname Unix sockets outside /run")
+        return
+    audit_arch, socket_nr = arch
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, fail = 0x7FFF0000, 0x00050000
+    program = [
+        (ld, 0, 0, 4),  # seccomp_data.arch
+        (jeq, 1, 0, audit_arch),
+        (ret, 0, 0, fail | errno.EPERM),  # a foreign ABI
+        (ld, 0, 0, 0),  # seccomp_data.nr
+        (jge, 3, 0, 0x40000000),  # x32 system calls
+        (jeq, 0, 3, socket_nr),
+        (ld, 0, 0, 16),  # seccomp_data.args[0], its low 32 bits: the address family
+        (jeq, 0, 1, socket.AF_UNIX),
+        (ret, 0, 0, fail | errno.EACCES),
+        (ret, 0, 0, allow),
+    ]
+    filters = (_SockFilter * len(program))(*[_SockFilter(*op) for op in program])
+    prog = _SockFprog(len(program), filters)
+    libc = _libc()
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.prctl(
+            _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+        report.not_enforced.append(f"unix sockets: the seccomp filter was refused "
+                                   f"({os.strerror(ctypes.get_errno())}), so the child may "
+                                   f"connect to pathname Unix sockets outside /run")
+        return
+    report.unix_sockets_refused = True
 
 
 def _private_tmp(libc: ctypes.CDLL, request: Mapping[str, Any]) -> str | None:
@@ -717,10 +1023,13 @@ def _die_with_parent(parent: int) -> None:
 
 
 def confine(request: Mapping[str, Any]) -> SandboxReport:
-    """Everything the child enforces on itself, before it touches its input."""
+    """Everything the child enforces on itself, before it touches its input. With a PID
+    namespace, returns in a grandchild (``_enter_pid_namespace``); the processes above it
+    never return."""
     limits = Limits(**request["limits"])
     report = SandboxReport()
     _die_with_parent(request["parent"])
+    cgroup_refused = _join_cgroup(request) if sys.platform == "linux" else None
     gpu = any(Path(device).name.startswith("nvidia") for device in request.get("devices", []))
     report.memory_rlimit = _apply_rlimits(limits, gpu=gpu)
     report.rlimits = True
@@ -728,10 +1037,13 @@ def confine(request: Mapping[str, Any]) -> SandboxReport:
         report.not_enforced.append(f"namespaces and Landlock: {sys.platform} is not Linux; "
                                    f"only the rlimits apply")
         return report
-    if limits.network_isolation:
-        _unshare(report, request)
-    else:
+    if not limits.network_isolation:
         report.not_enforced.append("network: isolation is turned off by a setting")
+    own_user_namespace, pid_namespace = _unshare(report, request, limits)
+    _limit_processes(limits, report, own_user_namespace=own_user_namespace,
+                     cgroup_refused=cgroup_refused)
+    if pid_namespace:
+        _enter_pid_namespace(report)
     if limits.landlock:
         _landlock(request, report, limits.landlock_max_abi, gpu=gpu)
         if not report.network_namespace and report.landlock_network:
@@ -740,6 +1052,10 @@ def confine(request: Mapping[str, Any]) -> SandboxReport:
     else:
         report.not_enforced.append("filesystem: Landlock is turned off by a setting; the "
                                    "child can read and write whatever its user can")
+    if limits.unix_socket_isolation:
+        _refuse_unix_sockets(report)
+    else:
+        report.not_enforced.append("unix sockets: refusing them is turned off by a setting")
     return report
 
 

@@ -116,3 +116,49 @@ def flood_log(args: dict[str, Any], emit) -> str:
 def sleep_forever(args: dict[str, Any], emit) -> None:
     Path("child.pid").write_text(str(os.getpid()))
     time.sleep(600)
+
+
+def unix_connect(args: dict[str, Any], emit) -> dict[str, Any]:
+    """Connect to each pathname Unix socket in ``args["paths"]``; list ``/run``."""
+    def connect(path: str) -> str:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.settimeout(3)
+            client.connect(path)
+            return "connected"
+
+    return {"connect": {path: _attempt(lambda p=path: connect(p)) for path in args["paths"]},
+            "run": _attempt(lambda: sorted(os.listdir("/run"))),
+            "pair": _attempt(lambda: [s.close() for s in socket.socketpair()] and "a pair")}
+
+
+def read_proc(args: dict[str, Any], emit) -> dict[str, Any]:
+    """Read other processes' command lines through /proc; list the processes seen there."""
+    return {"cmdline": {str(pid): _attempt(lambda p=pid: Path(f"/proc/{p}/cmdline").read_bytes()
+                                           .decode(errors="replace"))
+                        for pid in args["pids"]},
+            "pids": sorted(int(n) for n in os.listdir("/proc") if n.isdigit()),
+            "own": os.getpid()}
+
+
+def fork_bomb(args: dict[str, Any], emit) -> dict[str, Any]:
+    """Fork up to ``args["n"]`` children that sleep; count how many forks the kernel allowed."""
+    forked, refused = 0, ""
+    for _ in range(args["n"]):
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            refused = f"{type(exc).__name__}: {exc}"
+            break
+        if pid == 0:
+            time.sleep(600)
+            os._exit(0)
+        forked += 1
+    return {"forked": forked, "refused": refused}
+
+
+def setsid_grandchild(args: dict[str, Any], emit) -> str:
+    """Start a grandchild in a session of its own (out of the child's process group) that
+    outlives this step, then succeed at once."""
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                     start_new_session=True)
+    return "started"

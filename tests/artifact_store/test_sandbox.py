@@ -4,8 +4,11 @@ Landlock and namespaces on this kernel. Each test tries one way out and checks i
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -186,21 +189,42 @@ def test_writing_past_the_file_size_limit_is_resource_limit(tmp_path: Path):
     assert (tmp_path / "big.bin").stat().st_size <= 64 << 10
 
 
+def alive_in(folder: Path) -> list[int]:
+    """Host pids of the live (not zombie) processes whose working folder is ``folder``: a
+    sandboxed child and what it starts (their own pids are those of their PID namespace)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if Path(os.readlink(entry / "cwd")) == folder.resolve() and \
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def gone_from(folder: Path, timeout_s: float = 5) -> list[int]:
+    """Waits until nothing runs in ``folder``; answers what is left (killed, for the next
+    test)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := alive_in(folder)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
 def test_the_wall_clock_limit_kills_the_child_and_what_it_started(tmp_path: Path):
-    pid_file = tmp_path / "grandchild.pid"
     started = time.monotonic()
     with pytest.raises(TimedOut) as err:
         run("sleep_with_grandchild", {"pid_file": "grandchild.pid"}, tmp_path, wall_s=3)
     assert time.monotonic() - started < 10
     assert err.value.details["limit"] == "wall_clock"
-    pid = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
-        if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
-            break  # killed, waiting for its reaper
-        time.sleep(0.1)
-    else:
-        assert not Path(f"/proc/{pid}").exists(), "the grandchild outlived the timeout"
+    assert (tmp_path / "grandchild.pid").exists()
+    assert not gone_from(tmp_path), "the grandchild outlived the timeout"
 
 
 def test_a_child_that_dies_is_a_typed_crash_with_its_last_output(tmp_path: Path):
@@ -324,7 +348,6 @@ def test_older_landlock_abis_still_confine_writes_and_say_what_they_cannot(
 
 def test_the_child_dies_with_the_process_that_started_it(tmp_path: Path):
     """A worker killed mid-build (SIGKILL, a revoked task) leaves no sandboxed child behind."""
-    import signal
     import subprocess
     import sys
 
@@ -337,13 +360,141 @@ def test_the_child_dies_with_the_process_that_started_it(tmp_path: Path):
     deadline = time.monotonic() + 60
     while not pid_file.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    child = int(pid_file.read_text())
+    assert alive_in(scratch)
     starter.send_signal(signal.SIGKILL)
     starter.wait()
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
-        if Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
-            break
-        time.sleep(0.1)
-    else:
-        assert not Path(f"/proc/{child}").exists(), "the child outlived its parent"
+    assert not gone_from(scratch, timeout_s=10), "the child outlived its parent"
+
+
+POSTGRES_SOCKET = Path("/var/run/postgresql/.s.PGSQL.5432")
+
+
+@pytest.fixture
+def unix_listener(tmp_path: Path) -> Iterator[Path]:
+    """A Unix socket the test listens on, in a folder outside the child's scratch folder."""
+    folder = tmp_path / "sockets"
+    folder.mkdir()
+    path = folder / "listener.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen(1)
+        listener.setblocking(False)
+        yield path
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+
+
+def test_the_child_reaches_no_unix_socket(tmp_path: Path, unix_listener: Path):
+    """Landlock does not govern connecting to a pathname Unix socket: from a child, the
+    control plane's PostgreSQL socket answered as a superuser. The child can make no Unix
+    socket at all (seccomp); pairs still work."""
+    if not POSTGRES_SOCKET.exists():
+        pytest.skip(f"no PostgreSQL socket at {POSTGRES_SOCKET} on this machine")
+    got = run("unix_connect", {"paths": [str(POSTGRES_SOCKET), str(unix_listener)]},
+              tmp_path / "s")
+    for path, result in got["connect"].items():
+        assert result.startswith("refused: PermissionError"), (path, result)
+    assert got["pair"] == "ok: a pair"
+
+
+def test_run_is_hidden_from_the_child(tmp_path: Path):
+    """Without the socket filter (and Landlock), the mount namespace alone hides /run:
+    PostgreSQL's socket is not there, and /run is empty."""
+    if not POSTGRES_SOCKET.exists():
+        pytest.skip(f"no PostgreSQL socket at {POSTGRES_SOCKET} on this machine")
+    got = run("unix_connect", {"paths": [str(POSTGRES_SOCKET)]}, tmp_path / "s",
+              unix_socket_isolation=False, landlock=False)
+    assert got["connect"][str(POSTGRES_SOCKET)].startswith("refused: FileNotFoundError"), got
+    assert got["run"] == "ok: []"
+
+
+def test_the_child_sees_only_its_own_processes_in_proc(tmp_path: Path):
+    """A fresh /proc in a PID namespace of its own: another process's command line (the test
+    runner's, a process holding a secret in its arguments) cannot be read from it."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", SECRET])
+    try:
+        got = run("read_proc", {"pids": [os.getpid(), holder.pid]}, tmp_path / "s")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert SECRET not in repr(got)
+    for pid, result in got["cmdline"].items():
+        assert result.startswith("refused: FileNotFoundError"), (pid, result)
+    assert got["pids"] == [1, got["own"]]  # its namespace's init, and itself
+
+
+def test_a_fork_bomb_is_bounded_and_ends_with_the_step(tmp_path: Path):
+    scratch = tmp_path / "s"
+    got = run("fork_bomb", {"n": 500}, scratch, processes=32)
+    assert 0 < got["forked"] < 32, got
+    assert "Resource temporarily unavailable" in got["refused"], got
+    assert not gone_from(scratch), "the forked processes outlived the step"
+
+
+@pytest.mark.parametrize("layer", ["pid namespace", "pids cgroup"])
+def test_a_grandchild_in_its_own_session_is_gone_when_the_step_ends(tmp_path: Path,
+                                                                    layer: str):
+    """A descendant that called setsid() left the child's process group, which is all the
+    parent killed: the PID namespace ends it with the step (its init's death kills every
+    member), and so does the pids cgroup (the parent kills what is left in it), each alone."""
+    limits = {"processes": None} if layer == "pid namespace" else {"process_isolation": False}
+    scratch = tmp_path / "s"
+    assert run("setsid_grandchild", {}, scratch, **limits) == "started"
+    assert not gone_from(scratch, timeout_s=2), "the setsid'd grandchild outlived the step"
+
+
+#: Whether the interpreter can start itself again as that user (setpriv may start it with
+#: capabilities its children lose).
+CAN_RUN = ("import subprocess, sys; subprocess.run([sys.executable, '-c', 'import pydantic'], "
+           "check=True)")
+AS_NOBODY = """
+import json, sys
+from pathlib import Path
+from artifact_store.sandbox import Limits, run_sandboxed
+print(json.dumps(run_sandboxed("tests.artifact_store.sandbox_targets:fork_bomb", {"n": 200},
+                               scratch=Path(sys.argv[1]), stage="test",
+                               limits=Limits(wall_s=60, processes=20))))
+"""
+
+
+def test_a_worker_that_is_not_root_is_bounded_by_its_own_process_count(tmp_path: Path):
+    """Where the worker is not root (no writable pids cgroup), RLIMIT_NPROC bounds the child:
+    set inside its own user namespace, it counts the child's processes only, not the 30 that
+    user already runs elsewhere (which would refuse every fork if it counted them)."""
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+    import tempfile
+
+    setpriv = shutil.which("setpriv")
+    if os.getuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to run a worker as another user")
+    nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+    env = {"PATH": os.defpath, "PYTHONPATH": f"{ROOT}:{sysconfig.get_paths()['purelib']}"}
+    candidates = [sys.executable, "/usr/bin/python{}.{}".format(*sys.version_info[:2])]
+    python = next((p for p in dict.fromkeys(candidates)
+                   if subprocess.run([*nobody, p, "-c", CAN_RUN], env=env, capture_output=True,
+                                     check=False).returncode == 0), None)
+    if python is None:
+        pytest.skip("no Python of this version that another user may run")
+    folder = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="kiln-sandbox-nobody-"))
+    os.chown(folder, 65534, 65534)
+    sleepers = [subprocess.Popen([*nobody, "sleep", "600"]) for _ in range(30)]
+    try:
+        result = subprocess.run([*nobody, python, "-c", AS_NOBODY, str(folder / "s")],
+                                env=env, cwd=folder, capture_output=True, text=True,
+                                timeout=120, check=False)
+        assert result.returncode == 0, result.stderr[-3000:]
+        got = json.loads(result.stdout.strip().splitlines()[-1])
+        assert 0 < got["forked"] < 20, got
+        assert "Resource temporarily unavailable" in got["refused"]
+        assert not gone_from(folder / "s")
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()
+        shutil.rmtree(folder, ignore_errors=True)
