@@ -50,6 +50,7 @@ def run_retention(sessions: sessionmaker[Session], store: ArtifactStore,
     # engine): ask again, right before each deletion.
     with session_scope(sessions) as check:
         owners = repo.blob_owners(check)
+    deleted: set[str] = set()
     for sha256 in list(blobs):
         if owners.get(sha256):
             del blobs[sha256]
@@ -58,6 +59,10 @@ def run_retention(sessions: sessionmaker[Session], store: ArtifactStore,
             store.delete_blob(sha256)
         except Exception as exc:
             errors.append(f"blob {sha256}: {exc}")
+        else:
+            deleted.add(sha256)
+    if deleted:
+        _mark_raced(sessions, deleted)
     report = repo.retention_report(plan, dry_run=False, blobs=blobs, errors=errors)
     if report.artifacts or report.jobs or report.agents or errors:
         logger.info("retention pass: %d artifacts, %d blobs (%d bytes), %d jobs, %d agents "
@@ -68,6 +73,26 @@ def run_retention(sessions: sessionmaker[Session], store: ArtifactStore,
         logger.warning("retention: could not delete %s (an orphan now; `kiln store verify "
                        "--delete-orphans` removes it)", error)
     return report
+
+
+def _mark_raced(sessions: sessionmaker[Session], deleted: set[str]) -> None:
+    """The blobs just deleted, asked about once more: one that an artifact recorded since the
+    re-check names (a worker published a byte-identical engine in between) leaves that
+    artifact without its bytes, so it is marked ``broken`` now — never handed out as whole,
+    and the next request for its key builds it again — rather than found out by a failed
+    download. A model, dataset or plugin row can only be reported."""
+    with session_scope(sessions) as session:
+        owners = repo.blob_owners(session)
+        for sha256 in sorted(deleted):
+            for owner in owners.get(sha256, []):
+                kind, _, name = owner.partition(" ")
+                if kind == "artifact":
+                    repo.mark_artifact_broken(
+                        session, artifact_id=name,
+                        reason=f"retention deleted its blob {sha256} while it was published")
+                else:
+                    logger.error("retention deleted blob %s, which %s recorded meanwhile "
+                                 "names: upload it again", sha256, owner)
 
 
 class RetentionThread(PeriodicThread):

@@ -283,3 +283,51 @@ def test_the_api_applies_the_policy_on_its_own(tmp_path: Path) -> None:
         assert api.get(f"/v1/artifacts/{old.artifact_id}").status_code == 404
         assert api.get(f"/v1/artifacts/{new.artifact_id}").status_code == 200
         assert not _store(settings).has_manifest(old.artifact_id)
+
+
+class _PublishedDuringDeletion:
+    """The real store, except that right before its first blob deletion, ``publish`` runs: a
+    worker recording an engine that names that very blob, between retention's last re-check
+    and the deletion."""
+
+    def __init__(self, store, publish) -> None:
+        self._store, self._publish = store, publish
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def delete_blob(self, sha256: str) -> None:
+        publish, self._publish = self._publish, lambda _sha256: None
+        publish(sha256)
+        self._store.delete_blob(sha256)
+
+
+def test_an_engine_published_with_a_blob_being_deleted_is_marked_broken(
+        gc_api, gc_settings) -> None:
+    from services.api.retention import retention_policy, run_retention
+
+    model_id = upload(gc_api, mlp().SerializeToString()).json()["id"]
+    made = [_artifact(gc_settings, model_id, seed=i, age=timedelta(hours=i)) for i in range(3)]
+    doomed = made[2]
+    raced: list[str] = []
+
+    def publish(sha256: str) -> None:
+        assert sha256 == doomed.blobs[0].sha256
+        store = _store(gc_settings)
+        built = manifest(model_id, options=CompileOptions(seed=9), fingerprint_key=KEY)
+        signed = store.publish_manifest(built.model_copy(update={"blobs": [doomed.blobs[0]]}),
+                                        load_signer(gc_settings.home / "test-signing.key"))
+        with session_scope(_sessions(gc_settings)) as session:
+            repo.record_artifact(session, model_id=model_id, manifest=signed)
+        raced.append(signed.artifact_id)
+
+    report = run_retention(_sessions(gc_settings),
+                           _PublishedDuringDeletion(_store(gc_settings), publish),
+                           retention_policy(gc_settings), dry_run=False)
+    assert [a.id for a in report.artifacts] == [doomed.artifact_id] and raced
+    shown = gc_api.get(f"/v1/artifacts/{raced[0]}").json()["artifact"]
+    assert shown["state"] == "broken", shown
+    assert doomed.blobs[0].sha256 in shown["broken_reason"]
+    for kept in made[:2]:
+        assert gc_api.get(f"/v1/artifacts/{kept.artifact_id}").json()["artifact"]["state"] == \
+            "ready"
