@@ -319,10 +319,11 @@ class OnnxRuntimeBackend(Backend):
         # Read once: an int8 model is smaller than its source, so the source's answer holds.
         external = _model_bytes_on_disk(model_path) > EXTERNAL_DATA_THRESHOLD
         quantize = config.get("quantize")
+        fp32_nodes: list[str] = []
         if quantize is not None:
             if custom_ops is not None:
                 raise CompileError(f"{candidate.name}: models with custom ops are not quantized")
-            model_path = _quantize(model_path, workdir, str(quantize), calibration,
+            model_path, fp32_nodes = _quantize(model_path, workdir, str(quantize), calibration,
                                    reduce_range=bool(config.get("reduce_range")),
                                    external=external,
                                    calibrate=str(config.get("calibrate", "minmax")),
@@ -361,6 +362,8 @@ class OnnxRuntimeBackend(Backend):
         for key in ("intra_op_num_threads", "thread_policy", "execution_mode"):
             if key in config:
                 runtime_config[key] = config[key]
+        if quantize is not None and fp32_nodes:  # what a reader of the manifest should know
+            runtime_config["fp32_nodes"] = list(fp32_nodes)
         if config.get("bf16_fastmath"):
             runtime_config["session_config"] = {"mlas.enable_gemm_fastmath_arm64_bfloat16": "1"}
         blobs = [("engine", engine_path, ENGINE_MEDIA_TYPE)]
@@ -506,8 +509,10 @@ def _sensitive_nodes(float_model: Path, qdq_model: Path, workdir: Path,
 
 def _quantize(model_path: Path, workdir: Path, scheme: str,
               calibration: list[Mapping[str, np.ndarray]], *, reduce_range: bool,
-              external: bool, calibrate: str = "minmax", exclude: str = "") -> Path:
-    """The int8 model of ``scheme`` (``dynamic`` or ``static-qdq``), written in ``workdir``.
+              external: bool, calibrate: str = "minmax", exclude: str = ""
+              ) -> tuple[Path, list[str]]:
+    """The int8 model of ``scheme`` (``dynamic`` or ``static-qdq``), written in ``workdir``,
+    and the nodes it keeps in fp32.
 
     Static models are calibrated with ``calibrate`` (``minmax``, ``percentile``,
     ``entropy``); ``exclude`` keeps nodes in fp32: ``edges`` (``_edge_nodes``) or
@@ -536,6 +541,7 @@ def _quantize(model_path: Path, workdir: Path, scheme: str,
     except Exception as exc:  # its own untyped errors; quantizing the model as is still works
         logger.info("quantization pre-processing skipped: %s", exc)
     quantized = workdir / f"int8-{scheme}.onnx"
+    excluded: list[str] = []
 
     def static(output: Path, nodes_to_exclude: list[str]) -> None:
         quantize_static(
@@ -555,7 +561,6 @@ def _quantize(model_path: Path, workdir: Path, scheme: str,
         elif scheme == "static-qdq":
             if exclude:
                 source = _named(source, workdir, external=external)
-            excluded: list[str] = []
             if exclude == "edges":
                 excluded = _edge_nodes(source)
             elif exclude == "sensitive":
@@ -578,7 +583,7 @@ def _quantize(model_path: Path, workdir: Path, scheme: str,
     except Exception as exc:  # the quantizer raises its own untyped errors
         raise CompileError(f"onnxruntime's quantizer could not make the int8-{scheme} model: "
                            f"{type(exc).__name__}: {exc}") from exc
-    return quantized
+    return quantized, excluded
 
 
 def _custom_node_counts(path: Path) -> dict[str, int]:

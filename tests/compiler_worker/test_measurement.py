@@ -301,3 +301,49 @@ def test_a_sandboxed_build_waits_for_the_hosts_benchmark_lock(
     _window(holder)
     noise = result.manifest.tuning.noise
     assert noise.lock == str(lock) and noise.lock_held and noise.lock_wait_s > 0.3
+
+
+def test_int8_keeps_the_most_sensitive_node_in_fp32(
+        tmp_path: Path, fingerprint: HardwareFingerprint) -> None:
+    import onnx
+
+    backend = backends.get("onnxruntime")
+    options = CompileOptions(precision="int8", backends=["onnxruntime"])
+    [candidate] = [c for c in backend.candidates(fingerprint, options)
+                   if "keep-sensitive" in c.name]
+    model = tmp_path / "model.onnx"
+    model.write_bytes(MODEL)
+    rng = np.random.default_rng(0)
+    calibration = [{"x": rng.standard_normal((4, 64)).astype(np.float32)} for _ in range(8)]
+    built = backend.build(model, options, tmp_path / "build", fingerprint=fingerprint,
+                          candidate=candidate, calibration=calibration)
+    [kept] = built.runtime_config["fp32_nodes"]  # a tenth of the MLP's Gemms, at least one
+    graph = onnx.load(str(tmp_path / "build" / "int8-static-qdq.onnx")).graph
+    producers = {out: node.op_type for node in graph.node for out in node.output}
+    int8_weights = {node.name: producers.get(node.input[1]) == "DequantizeLinear"
+                    for node in graph.node if node.op_type in ("Gemm", "MatMul")}
+    assert int8_weights.pop(kept) is False  # its weights stay fp32
+    assert int8_weights and all(int8_weights.values())
+
+
+def test_the_worker_takes_a_winner_of_a_peer_backend_and_nothing_else(
+        tmp_path: Path, fingerprint: HardwareFingerprint) -> None:
+    from compiler_worker.sandbox import _checked_result
+    from schemas._canonical import sha256_hex
+    from schemas.errors import CompileError
+
+    options = CompileOptions(tune="off", **QUICK)
+    plan = plan_build(sha256_hex(MODEL), options, fingerprint)
+    result = compile_model(MODEL, options, fingerprint=fingerprint, workdir=tmp_path,
+                           plan=plan, benchmark_lock=tmp_path / "bench.lock")
+    answer = {"manifest": None, "blob_paths": {
+        name: str(path.relative_to(tmp_path)) for name, path in result.blob_paths.items()}}
+    peer = "a-peer"
+    as_peer = result.manifest.model_copy(update={"backend": peer})
+    answer["manifest"] = as_peer.model_dump(mode="json")
+    with pytest.raises(CompileError, match="a-peer"):  # not a backend of the job
+        _checked_result(answer, plan, options, tmp_path, [])
+    with_peer = type(plan)(backend=plan.backend, fingerprint_key=plan.fingerprint_key,
+                           toolchain=plan.toolchain, artifact_id=plan.artifact_id,
+                           peers=(type("Peer", (), {"name": peer})(),))  # type: ignore[arg-type]
+    assert _checked_result(answer, with_peer, options, tmp_path, []).manifest.backend == peer
