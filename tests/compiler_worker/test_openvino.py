@@ -274,3 +274,25 @@ def test_too_few_calibration_samples(tmp_path: Path, here: HardwareFingerprint) 
     rows = failed.value.details["tuning"]["candidates"]
     ptq = next(r for r in rows if r["name"] == "openvino/int8-ptq")
     assert f"at least {NNCF_MIN_CALIBRATION_SAMPLES}" in ptq["reason"]
+
+
+def test_custom_ops_are_refused_typed_and_leave_openvino_out(
+        example_bundles, tmp_path: Path, here: HardwareFingerprint) -> None:
+    """No plugin bundle carries an OpenVINO extension yet: a job that names only this backend
+    for a model with custom ops fails with ``NoImplementation`` naming the backend and the ops;
+    a job that names none builds with onnxruntime, OpenVINO's candidates not built."""
+    from runtime_agent.plugins import NoImplementation
+    from tests.plugins.helpers import models
+
+    swish = example_bundles.swish
+    data = models.swish_cnn().SerializeToString()
+    with pytest.raises(NoImplementation, match="openvino") as refused:
+        compile_model(data, CompileOptions(backends=["openvino"], **FAST), fingerprint=here,
+                      workdir=tmp_path / "pinned", plugins=[swish.plugin])
+    assert "kiln.examples::Swish" in refused.value.message
+    result = compile_model(data, CompileOptions(**FAST), fingerprint=here,
+                           workdir=tmp_path / "any", plugins=[swish.plugin])
+    assert result.manifest.backend == "onnxruntime"
+    built = [c for c in result.manifest.tuning.candidates if c.name.startswith("openvino/")
+             and c.outcome in (CandidateOutcome.WON, CandidateOutcome.SLOWER)]
+    assert built == []
