@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -20,6 +21,9 @@ from kiln.client import KilnClient
 from kiln.config import write_client_file
 
 logger = logging.getLogger(__name__)
+
+#: The name the embedded stack's agent registers under (its token names it).
+AGENT_NAME = "local-agent"
 
 
 def worker_environment(env: Mapping[str, str]) -> dict[str, str]:
@@ -32,6 +36,34 @@ def worker_environment(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items()
             if not k.upper().startswith("AWS_")
             and (not k.upper().startswith("KILN_") or k.upper() in readable)}
+
+
+#: Variables of the environment an agent is started with besides the ``KILN_*`` ones it reads:
+#: the system's, the interpreter's and the thread counts (never a credential).
+AGENT_PASSED = ("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "PYTHONPATH", "VIRTUAL_ENV",
+                "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "KILN_ENV")
+
+
+def agent_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """What a runtime agent is started with: of ``env``, only the ``KILN_AGENT_*`` variables
+    an agent reads, ``AGENT_PASSED``, ``LC_*`` and the thread counts; no JWT secret, signing
+    key path, database, store or broker URL, no store credential. The agent runs custom-op
+    plugins in its process (``runtime_agent.confine``), so it is given nothing else."""
+    from artifact_store.sandbox import PASSED_VARIABLES
+    from kiln.settings import variables
+
+    readable = {v.name for v in variables() if "agent" in v.readers}
+    passed = set(AGENT_PASSED) | set(PASSED_VARIABLES)
+    agent_env = {k: v for k, v in env.items()
+                 if k in readable or k in passed or k.startswith("LC_")}
+    # The confined agent connects to the control plane's port and these only: with an S3
+    # store, downloads redirect to presigned URLs of the endpoint agents reach.
+    endpoint = env.get("KILN_S3_PUBLIC_ENDPOINT_URL") or env.get("KILN_S3_ENDPOINT_URL")
+    if endpoint and "KILN_AGENT_CONNECT_PORTS" not in agent_env:
+        parsed = urlsplit(endpoint)
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        agent_env["KILN_AGENT_CONNECT_PORTS"] = ",".join(str(p) for p in sorted({443, port}))
+    return agent_env
 
 
 @dataclass
@@ -51,6 +83,8 @@ class EmbeddedStack:
     token: str | None = None
     #: The worker token minted by ``prepare`` for the stack's workers.
     worker_token: str | None = None
+    #: The agent token minted by ``prepare`` for the local agent (``AGENT_NAME`` only).
+    agent_token: str | None = None
     _env: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
@@ -100,6 +134,12 @@ class EmbeddedStack:
         self.worker_token = mint_token(env["KILN_SECRET_KEY"], role=Role.WORKER,
                                        subject="kiln-up-worker", ttl_s=DEFAULT_TOKEN_TTL_S,
                                        keys=[ANY_KEY])
+        # The local agent speaks for itself only: its record, the artifacts and plugins of
+        # its desired state (it runs plugins in its process; an admin token there would be
+        # theirs).
+        self.agent_token = mint_token(env["KILN_SECRET_KEY"], role=Role.AGENT,
+                                      subject="kiln-up-agent", ttl_s=DEFAULT_TOKEN_TTL_S,
+                                      agent=AGENT_NAME)
         write_client_file(self.home, api_url=self.api_url, token=self.token)
         return env
 
@@ -115,12 +155,21 @@ class EmbeddedStack:
                         self.worker_env(), log_dir / f"worker-{i}.log")
         self.wait_healthy()
         if self.agent_labels is not None:
-            self._spawn([*cli, "agent", "--api", self.api_url, "--token", self.token or "",
-                         "--name", "local-agent", "--labels", self.agent_labels,
+            # The token goes in the environment, never on the command line (any local user
+            # reads /proc/<pid>/cmdline).
+            self._spawn([*cli, "agent", "--api", self.api_url,
+                         "--name", AGENT_NAME, "--labels", self.agent_labels,
                          "--port", str(self.agent_port),
                          "--cache-dir", str(self.home / "agent-cache"),
                          "--root-key", str(self.home / "root.key.pub")],
-                        env, log_dir / "agent.log")
+                        self.agent_env(), log_dir / "agent.log")
+
+    def agent_env(self) -> dict[str, str]:
+        """The local agent's environment (``agent_environment`` of the stack's) and its agent
+        token."""
+        env = agent_environment(self._env)
+        env["KILN_AGENT_TOKEN"] = self.agent_token or ""
+        return env
 
     def worker_env(self) -> dict[str, str]:
         """A worker's environment (``worker_environment`` of the stack's), plus the API's URL

@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from runtime_agent import executors
 from runtime_agent.cache import ArtifactCache
@@ -856,7 +857,16 @@ def health_check(executor: Executor) -> None:
 def run_agent(settings: AgentSettings) -> None:
     """Run an agent until SIGINT or SIGTERM (blocking; call from the main thread)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
-    agent = Agent(settings)
+    agent = Agent(settings)  # the token, the keys and the fingerprint are read here ...
+    if settings.confine:  # ... and then nothing outside the cache and the code is
+        from runtime_agent.confine import confine_agent
+
+        confine_agent(settings.cache_dir, connect_ports=[_port(settings.api_url),
+                                                         *settings.connect_ports],
+                      bind_ports=[settings.serve_port, settings.grpc_port])
+    else:
+        logger.warning("the agent is not confined (KILN_AGENT_CONFINE=false): custom-op "
+                       "plugins run with every right of the agent's user")
     agent.start()
     previous = signal.signal(signal.SIGTERM, lambda *_: agent.request_stop())
     try:
@@ -866,6 +876,12 @@ def run_agent(settings: AgentSettings) -> None:
     finally:
         signal.signal(signal.SIGTERM, previous)
         agent.stop()
+
+
+def _port(url: str) -> int:
+    """The TCP port ``url`` connects to."""
+    parsed = urlsplit(url)
+    return parsed.port or (443 if parsed.scheme == "https" else 80)
 
 
 def _choice(wanted: DesiredModel) -> dict | None:

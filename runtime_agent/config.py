@@ -115,11 +115,27 @@ class AgentSettings(BaseSettings):
     ready_offline_s: float = Field(30.0, gt=0)
     #: Python logging level of the agent.
     log_level: str = "INFO"
+    #: Confine the agent process with Landlock once it has read its token and keys
+    #: (``runtime_agent.confine``): custom-op plugins run inside it, so it then reads only the
+    #: code it runs and writes only beneath ``cache_dir``. Turn off only to debug.
+    confine: bool = True
+    #: TCP ports the confined agent may connect to besides the control plane's (``api_url``'s):
+    #: the blob store's, where downloads redirect to presigned URLs (e.g. ``443,9000``).
+    connect_ports: Annotated[list[int], NoDecode] = [443]
 
     @field_validator("labels", mode="before")
     @classmethod
     def _labels(cls, value: Any) -> Any:
         return parse_labels(value) if isinstance(value, str) else value
+
+    @field_validator("connect_ports", mode="before")
+    @classmethod
+    def _ports(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            return json.loads(text) if text.startswith("[") else [
+                int(part) for part in text.split(",") if part.strip()]
+        return value
 
     @field_validator("trusted_keys", "root_keys", mode="before")
     @classmethod

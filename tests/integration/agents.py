@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from kiln.stack import EmbeddedStack
+from kiln.stack import EmbeddedStack, agent_environment
 from tests.conftest import free_port
 
 
@@ -40,6 +40,10 @@ class AgentProcess:
             "--root-key", str(self.stack.home / "root.key.pub"), *extra,
         ]
         env = {**os.environ, "KILN_AGENT_HEARTBEAT_S": "0.5", **(env or {})}
+        # The agent connects only to the ports it is told: the stack's S3 endpoint too.
+        ports = agent_environment(self.stack.overrides).get("KILN_AGENT_CONNECT_PORTS")
+        if ports:
+            env.setdefault("KILN_AGENT_CONNECT_PORTS", ports)
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
