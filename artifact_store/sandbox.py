@@ -15,6 +15,16 @@ descriptor but its pipes. Before it reads its request, the child confines itself
   writable memory, the heap and every ``malloc``), which such reservations do not count.
 - **a new user and network namespace** (``unshare(CLONE_NEWUSER | CLONE_NEWNET)``) where user
   namespaces are allowed: no interface but a loopback that is down, so no network.
+- **a PID namespace** (with the user namespace): the step runs under an init of its own
+  that exits when the step's process does, which makes the kernel kill every process left
+  in the namespace (a descendant that called ``setsid()`` included); a fresh ``/proc`` shows
+  the child only its own processes (no other process's command line).
+- **a task limit** (``Limits.processes``): a pids cgroup made for the run where one is
+  writable (whatever is left in it is killed after the run), and ``RLIMIT_NPROC`` set inside
+  the child's user namespace, where the kernel counts only the child's own tasks; it does
+  not bind uid 0, so a root worker relies on the cgroup.
+- **no Unix sockets**: a seccomp filter fails ``socket(AF_UNIX, ...)`` (Landlock does not
+  govern connecting to a pathname socket), and an empty tmpfs hides ``/run``.
 - **a private ``/tmp``** (with the user namespace, where the scratch folder and everything it
   reads lie outside ``/tmp``): a mount namespace with the scratch folder's ``tmp/`` bound
   over ``/tmp``.
@@ -137,7 +147,7 @@ class Limits:
     #: pids cgroup where one is writable, and ``RLIMIT_NPROC`` counted inside the child's own
     #: user namespace (which does not bind uid 0: a root worker needs the cgroup). A fork past
     #: it fails with ``EAGAIN``. ``None``: no limit.
-    processes: int | None = 1024
+    processes: int | None = 4096
     #: Give the child a PID namespace of its own (with user namespaces): it sees only its own
     #: processes in a fresh ``/proc``, and everything it started is killed when its step
     #: ends, a descendant that called ``setsid()`` included.
@@ -1044,6 +1054,8 @@ def confine(request: Mapping[str, Any]) -> SandboxReport:
                      cgroup_refused=cgroup_refused)
     if pid_namespace:
         _enter_pid_namespace(report)
+    elif not limits.process_isolation:
+        report.not_enforced.append("processes: the PID namespace is turned off by a setting")
     if limits.landlock:
         _landlock(request, report, limits.landlock_max_abi, gpu=gpu)
         if not report.network_namespace and report.landlock_network:

@@ -3,7 +3,9 @@ the calling process, and the least address space a child needs to import the too
 
 Rows: a bare child round trip (interpreter start, confinement, JSON both ways); the API's
 model inspection (a small ``.onnx``); the worker's custom-op scan; a whole compile of the MLP
-(``kiln.examples.mlp``, few samples). The address-space column halves the search interval
+(``kiln.examples.mlp``, few samples). A second table times a bare child with and without its
+process bounds (PID namespace and fresh ``/proc``, pids cgroup, the Unix-socket filter) in
+interleaved pairs. The address-space column halves the search interval
 until it is under 64 MiB: the smallest ``RLIMIT_AS`` under which a child imports each module.
 
     .venv/bin/python bench/sandbox.py [--repeats 3]
@@ -115,6 +117,25 @@ def main() -> None:
         table.add_row("worker: compile the MLP (tuning, one run)", fmt(child, 1, "s", 2),
                       fmt(cpu, 1, "s", 2), fmt(own, 1, "s", 2))
         console.print(table)
+
+        bounds = Table(title=f"the process bounds' cost: a bare child, {args.repeats * 3} "
+                             f"interleaved pairs (median \\[min–max])")
+        for column in ("limits", "wall", "the child's CPU"):
+            bounds.add_column(column)
+        variants = {"all bounds (default)": Limits(),
+                    "no PID namespace, pids cgroup or socket filter":
+                        Limits(process_isolation=False, processes=None,
+                               unix_socket_isolation=False)}
+        walls: dict[str, list[float]] = {name: [] for name in variants}
+        cpus: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(args.repeats * 3):
+            for name, limits in variants.items():
+                walls[name] += _time(lambda limits=limits: run_sandboxed(
+                    "builtins:print", {}, scratch=fresh(), limits=limits, stage="bench"), 1,
+                    cpus[name])
+        for name in variants:
+            bounds.add_row(name, fmt(walls[name], 1000, "ms", 0), fmt(cpus[name], 1000, "ms", 0))
+        console.print(bounds)
 
     space = Table(title="least address space (RLIMIT_AS) to import, within 64 MiB")
     space.add_column("module")
