@@ -286,16 +286,29 @@ class KilnClient:
     def list_workers(self) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/workers").json()
 
-    def live_fingerprint_keys(self, model_format: str | None = None) -> list[str]:
-        """The fingerprint keys that a live compiler worker serves right now; with
-        ``model_format``, only those whose workers build models of that format."""
+    def live_fingerprint_keys(self, model_format: str | None = None, *,
+                              backends: Iterable[str] = ()) -> list[str]:
+        """The fingerprint keys that a live compiler worker serves right now, as a request that
+        names no key targets them; with ``model_format``, only those whose workers build models
+        of that format. The key of a backend whose candidates race in another backend's job
+        on the worker (``Executor.joins_as_peer``: OpenVINO beside onnxruntime) is left out
+        unless ``backends`` names it, so that a request does not build twice."""
+        from runtime_agent.executors import node_fingerprint_keys, peer_backends
+        from schemas.fingerprint import HardwareFingerprint
+
+        skip = peer_backends() - set(backends)
         keys = set()
         for worker in self.list_workers():
             if not worker["alive"]:
                 continue
             formats = worker.get("model_formats") or {}
-            keys |= {k for k in worker["fingerprint_keys"]
-                     if model_format is None or k not in formats or model_format in formats[k]}
+            peers: set[str] = set()
+            if skip and worker.get("fingerprint"):
+                derived = node_fingerprint_keys(
+                    HardwareFingerprint.model_validate(worker["fingerprint"]))
+                peers = {key for backend, key in derived.items() if backend in skip}
+            keys |= {k for k in worker["fingerprint_keys"] if k not in peers and (
+                model_format is None or k not in formats or model_format in formats[k])}
         return sorted(keys)
 
     def health(self) -> dict[str, Any]:

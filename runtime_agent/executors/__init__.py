@@ -40,6 +40,7 @@ __all__ = [
     "load_plugins",
     "node_compatibility_keys",
     "node_fingerprint_keys",
+    "peer_backends",
     "register",
     "registered",
     "registered_classes",
@@ -97,6 +98,12 @@ def node_fingerprint_keys(fingerprint: HardwareFingerprint) -> dict[str, str]:
         for cls in registered_classes()
         if cls.supports(fingerprint)
     }
+
+
+def peer_backends() -> set[str]:
+    """Backends whose candidates race in another backend's job (``Executor.joins_as_peer``):
+    a request that names no backend plans no job of their own."""
+    return {name for name, cls in _REGISTRY.items() if cls.joins_as_peer}
 
 
 def node_compatibility_keys(fingerprint: HardwareFingerprint) -> dict[str, list[str]]:

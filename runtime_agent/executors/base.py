@@ -109,6 +109,11 @@ class Executor(ABC):
     #: The model platform the Open Inference Protocol reports (Triton's name where one fits;
     #: empty: ``kiln_<backend>``).
     platform: ClassVar[str] = ""
+    #: Whether this backend's candidates race inside the job of another backend of the node
+    #: (``options.tune: auto`` tunes every backend of the device in one run): it gets a build
+    #: of its own only when a request names it (``options.backends``, or a target key of its
+    #: own), so planning an unnamed request does not queue a second, redundant job for it.
+    joins_as_peer: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod

@@ -133,6 +133,8 @@ class OpenVinoExecutor(Executor):
     #: Below onnxruntime: an agent serves onnxruntime's key first when a deployment names no
     #: backend (the worker's tuner races OpenVINO's candidates within that job).
     preference = 8
+    #: Its candidates race onnxruntime's in onnxruntime's job; a job of its own only when named.
+    joins_as_peer = True
 
     @classmethod
     def probe_version(cls) -> str | None:

@@ -36,6 +36,7 @@ from schemas.options import Portability
 from schemas.rollouts import Rollout
 from services.api.engine_choice import Usable, choose_engine
 from services.api.enqueue import enqueue_jobs
+from services.api.keys import backends_planned_only_when_named
 from services.db import repo
 from services.db.tables import utcnow
 
@@ -107,9 +108,14 @@ def choose_backends(deployment: Deployment, agent: AgentProfile | AgentInfo, *,
     chosen = [first]
     if builds is None:
         return chosen
+    # A backend whose candidates race in the first one's job (OpenVINO beside onnxruntime)
+    # gets a job of its own only when the deployment names it.
+    named = set(deployment.options.backends)
+    peers = backends_planned_only_when_named() - named
     for backend in deployment.options.backends or list(agent.fingerprint_keys):
         key = agent.fingerprint_keys.get(backend)
-        if key and backend != first[0] and key not in {k for _, k in chosen} and builds(key):
+        if key and backend != first[0] and key not in {k for _, k in chosen} and builds(key) \
+                and backend not in peers:
             chosen.append((backend, key))
     return chosen
 

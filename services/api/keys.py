@@ -9,7 +9,7 @@ toolchain is imported with them).
 
 from __future__ import annotations
 
-from runtime_agent.executors import node_compatibility_keys, node_fingerprint_keys
+from runtime_agent.executors import node_compatibility_keys, node_fingerprint_keys, peer_backends
 from schemas.agents import AgentRegistration
 from schemas.errors import InvalidRequest, KilnError
 
@@ -40,3 +40,9 @@ def check_claimed_keys(registration: AgentRegistration) -> None:
                 f"agent {registration.name!r} claims compatibility key(s) {extra} for backend "
                 f"{backend!r}, which its fingerprint does not derive; it derives "
                 f"{compatible.get(backend, [])}", keys=extra, backend=backend)
+
+
+def backends_planned_only_when_named() -> set[str]:
+    """Backends whose candidates race in another backend's job on the worker
+    (``Executor.joins_as_peer``): a deployment that names no backend is not planned for them."""
+    return peer_backends()
