@@ -87,3 +87,38 @@ def test_kiln_up_gives_its_agent_an_agent_token_in_its_environment_and_no_secret
             os.killpg(up.pid, signal.SIGTERM)
             up.wait(60)
         log.close()
+
+
+def test_the_local_agent_pulls_and_serves_its_deployment_with_its_agent_token(
+        tmp_path: Path) -> None:
+    """The agent token reads the artifacts of the local agent's desired state: it serves."""
+    import numpy as np
+
+    from kiln.examples import mlp
+    from kiln.stack import AGENT_NAME, EmbeddedStack
+
+    stack = EmbeddedStack(home=tmp_path / "home", port=free_port(), agent_port=free_port(),
+                          agent_labels="site=a", worker_args=["--pool", "solo"],
+                          overrides={"KILN_AGENT_HEARTBEAT_S": "0.5"})
+    try:
+        stack.start()
+        client = stack.client()
+        model = client.upload_model(mlp(seed=3).SerializeToString(), name="mlp")
+        client.deploy("mlp", model.id, selector={"site": "a"})
+        deadline = time.monotonic() + 240
+        served = None
+        while time.monotonic() < deadline and served is None:
+            try:
+                models = httpx.get(f"{stack.agent_url}/v1/models", timeout=2).json()
+                served = next((m for m in models if m["name"] == "mlp"), None)
+            except (httpx.TransportError, ValueError):
+                pass
+            time.sleep(0.5)
+        assert served is not None, (stack.home / "logs" / "agent.log").read_text()[-3000:]
+        x = np.ones((2, 64), np.float32)
+        answer = httpx.post(f"{stack.agent_url}/v1/models/mlp/infer",
+                            json={"inputs": {"x": x.tolist()}}, timeout=10)
+        assert answer.status_code == 200, answer.text
+        assert client.get_agent(AGENT_NAME)["name"] == AGENT_NAME
+    finally:
+        stack.stop()
