@@ -498,3 +498,33 @@ def test_a_worker_that_is_not_root_is_bounded_by_its_own_process_count(tmp_path:
             sleeper.kill()
             sleeper.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_process_and_socket_bounds_turned_off_are_said(tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture):
+    """Each bound a setting (or a host) takes away is named in a warning: the step then sees
+    the host's /proc and may reach Unix sockets."""
+    caplog.set_level(logging.WARNING, logger="artifact_store.sandbox")
+    got = run("read_proc", {"pids": [os.getpid()]}, tmp_path / "s", process_isolation=False,
+              unix_socket_isolation=False, processes=None)
+    warnings = " ".join(r.getMessage() for r in caplog.records)
+    assert "the PID namespace is turned off by a setting" in warnings
+    assert "refusing them is turned off by a setting" in warnings
+    assert os.getpid() in got["pids"]  # the host's /proc
+
+
+def test_without_a_pids_cgroup_a_root_worker_is_told_its_children_are_unbounded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    """RLIMIT_NPROC does not bind uid 0: where no pids cgroup can be made, a root worker's
+    child forks without bound, and the warning says so (and why) rather than pretending.
+    (The PID namespace still ends every one of them with the step.)"""
+    if os.getuid() != 0:
+        pytest.skip("a worker that is not root is bounded by RLIMIT_NPROC (tested above)")
+    monkeypatch.setattr("artifact_store.sandbox._pids_hierarchy", lambda: None)
+    caplog.set_level(logging.WARNING, logger="artifact_store.sandbox")
+    scratch = tmp_path / "s"
+    got = run("fork_bomb", {"n": 40}, scratch, processes=16)
+    warnings = " ".join(r.getMessage() for r in caplog.records)
+    assert "not bounded" in warnings and "RLIMIT_NPROC does not bind uid 0" in warnings
+    assert got["forked"] == 40
+    assert not gone_from(scratch)
