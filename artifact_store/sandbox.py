@@ -715,10 +715,14 @@ def _unshare(report: SandboxReport, request: Mapping[str, Any],
     uid, gid = os.getuid(), os.getgid()
     base = _CLONE_NEWUSER | (_CLONE_NEWNET if limits.network_isolation else 0)
     pid = _CLONE_NEWPID if limits.process_isolation else 0
-    flags = next((f for f in dict.fromkeys((base | _CLONE_NEWNS | pid, base | _CLONE_NEWNS,
-                                            base)) if libc.unshare(f) == 0), None)
+    flags, errors = None, []
+    for attempt in dict.fromkeys((base | _CLONE_NEWNS | pid, base | _CLONE_NEWNS, base)):
+        if libc.unshare(attempt) == 0:
+            flags = attempt
+            break
+        errors.append(os.strerror(ctypes.get_errno()))
     if flags is None:
-        err = os.strerror(ctypes.get_errno())
+        err = errors[0]
         if limits.network_isolation:
             report.not_enforced.append(
                 f"network: no new network namespace (unshare: {err}; user "
@@ -750,9 +754,9 @@ def _unshare(report: SandboxReport, request: Mapping[str, Any],
                                    "stays visible to the child")
     if limits.process_isolation and not flags & _CLONE_NEWPID:
         report.not_enforced.append(
-            f"processes: no PID namespace (unshare: {os.strerror(ctypes.get_errno())}), so "
-            f"the child sees every process in /proc, and a descendant that starts a session "
-            f"of its own outlives the step")
+            f"processes: no PID namespace (unshare: {errors[0]}), so the child sees every "
+            f"process in /proc, and a descendant that starts a session of its own outlives "
+            f"the step")
     return True, bool(flags & _CLONE_NEWPID)
 
 
