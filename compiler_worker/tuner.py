@@ -350,8 +350,9 @@ def _benchmark(trials: list[Trial], feed: Feed, options: CompileOptions, started
         while len(measurements) <= MAX_REMEASURES:
             last = measurements[-1]
             fastest = min(finalists, key=last.p50)
-            if last.quiet and (fastest is default or last.separable(fastest, default)):
-                break
+            if len(finalists) == 1 or (
+                    last.quiet and (fastest is default or last.separable(fastest, default))):
+                break  # nothing to choose between, or a clear choice
             if _budget_left(started, options.tuning_budget_s) < last.seconds:
                 break
             logger.info("re-measuring: host busy %.2f, steal %.2f, %s within noise of %s",

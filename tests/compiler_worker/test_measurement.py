@@ -27,6 +27,7 @@ from kiln.examples import mlp
 from runtime_agent.executors.base import physical_cores
 from runtime_agent.executors.onnxruntime import session_options
 from schemas.fingerprint import HardwareFingerprint
+from schemas.jobs import JobStage
 from schemas.options import CompileOptions
 from schemas.tuning import CandidateOutcome, CandidateResult, ThreadPolicy
 
@@ -34,15 +35,15 @@ MODEL = mlp().SerializeToString()
 QUICK = {"benchmark_iterations": 10, "verify_samples": 2, "backends": ["onnxruntime"]}
 FEED = {"x": np.zeros((4, 64), np.float32)}
 
-#: A process that holds the lock for a while and prints when it held it (monotonic clock,
-#: which every process on the host shares).
+#: A process that holds the lock for a while (or until a line comes on its stdin) and prints
+#: when it held it (monotonic clock, which every process on the host shares).
 HOLDER = textwrap.dedent("""
-    import sys, time
+    import select, sys, time
     from compiler_worker.benchmark import host_lock
     with host_lock(sys.argv[1]) as held:
         start = time.monotonic()
         print("held", flush=True)
-        time.sleep(float(sys.argv[2]))
+        select.select([sys.stdin], [], [], float(sys.argv[2]))
         end = time.monotonic()
     print(held.held, start, end, flush=True)
 """)
@@ -50,10 +51,30 @@ HOLDER = textwrap.dedent("""
 
 def _holder(lock: Path, seconds: float) -> subprocess.Popen[str]:
     process = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock), str(seconds)],
-                               stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).parents[2])
     assert process.stdout is not None
     assert process.stdout.readline().strip() == "held"  # it holds the lock from here on
     return process
+
+
+def _release_when_benchmarking(holder: subprocess.Popen[str], after_s: float = 0.8):
+    """An ``on_stage`` callback: once the build reaches benchmarking (it is about to take the
+    lock), the holder lets go ``after_s`` later, so the build waits that long."""
+    import threading
+
+    def release() -> None:
+        time.sleep(after_s)
+        assert holder.stdin is not None
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+
+    def on_stage(stage: JobStage, _progress: float) -> None:
+        if stage is JobStage.BENCHMARKING and not getattr(on_stage, "fired", False):
+            on_stage.fired = True  # type: ignore[attr-defined]
+            threading.Thread(target=release, daemon=True).start()
+
+    return on_stage
 
 
 def _window(process: subprocess.Popen[str]) -> tuple[bool, float, float]:
@@ -87,15 +108,15 @@ def test_a_held_lock_past_the_wait_is_measured_without_it_and_said(tmp_path: Pat
 def test_the_tuner_waits_for_another_benchmark_on_the_host(
         tmp_path: Path, fingerprint: HardwareFingerprint) -> None:
     lock = ensure_lock_file(tmp_path / "bench.lock")
-    holder = _holder(lock, 1.5)
-    started = time.monotonic()
+    holder = _holder(lock, 60)
     result = compile_model(MODEL, CompileOptions(tune="off", **QUICK), fingerprint=fingerprint,
-                           workdir=tmp_path / "build", benchmark_lock=lock)
+                           workdir=tmp_path / "build", benchmark_lock=lock,
+                           on_stage=_release_when_benchmarking(holder))
     _, _, released = _window(holder)
     noise = result.manifest.tuning.noise
     assert noise.lock == str(lock) and noise.lock_held
     # Building went on while the other process held the lock; timing waited for it.
-    assert noise.lock_wait_s > 0.3 and time.monotonic() - started >= 1.0
+    assert noise.lock_wait_s > 0.5
     assert released <= time.monotonic()
 
 
@@ -295,9 +316,10 @@ def test_a_sandboxed_build_waits_for_the_hosts_benchmark_lock(
     options = CompileOptions(tune="off", **QUICK)
     plan = plan_build(sha256_hex(MODEL), options, fingerprint)
     sandbox = Sandbox(Limits(wall_s=300), benchmark_lock=lock)
-    holder = _holder(lock, 2.0)
+    holder = _holder(lock, 60)
     result = sandbox.compile_model(MODEL, options, fingerprint=fingerprint,
-                                   workdir=tmp_path / "job", plan=plan)
+                                   workdir=tmp_path / "job", plan=plan,
+                                   on_stage=_release_when_benchmarking(holder))
     _window(holder)
     noise = result.manifest.tuning.noise
     assert noise.lock == str(lock) and noise.lock_held and noise.lock_wait_s > 0.3
