@@ -406,6 +406,7 @@ def _pids_cgroup(limit: int | None) -> tuple[Path | None, str | None]:
     parent = _pids_hierarchy()
     if parent is None:
         return None, "no cgroup hierarchy with the pids controller is mounted"
+    _sweep_cgroups(parent)
     folder = parent / f"{CGROUP_PREFIX}{os.getpid()}-{time.monotonic_ns()}"
     try:
         folder.mkdir()
@@ -418,6 +419,17 @@ def _pids_cgroup(limit: int | None) -> tuple[Path | None, str | None]:
         return None, f"{folder}/pids.max cannot be set ({exc.strerror}; the pids controller " \
                      f"is not enabled for {parent}'s children)"
     return folder, None
+
+
+def _sweep_cgroups(parent: Path) -> None:
+    """Remove the empty cgroups of runs whose process is gone: one killed before it could
+    remove its own (a worker killed mid-build; its child died with it)."""
+    with contextlib.suppress(OSError):
+        for folder in parent.glob(f"{CGROUP_PREFIX}*"):
+            owner = folder.name[len(CGROUP_PREFIX):].split("-", 1)[0]
+            if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+                with contextlib.suppress(OSError):  # not empty yet, or another sweeper's
+                    folder.rmdir()
 
 
 def _remove_cgroup(folder: Path | None) -> None:

@@ -528,3 +528,27 @@ def test_without_a_pids_cgroup_a_root_worker_is_told_its_children_are_unbounded(
     assert "not bounded" in warnings and "RLIMIT_NPROC does not bind uid 0" in warnings
     assert got["forked"] == 40
     assert not gone_from(scratch)
+
+
+def test_a_pids_cgroup_left_by_a_killed_worker_is_swept(tmp_path: Path):
+    """A worker killed mid-build cannot remove its run's cgroup (its child dies with it): the
+    next run removes the empty cgroups of processes that are gone, and its own."""
+    import subprocess
+    import sys
+
+    from artifact_store.sandbox import CGROUP_PREFIX, _pids_hierarchy
+
+    parent = _pids_hierarchy()
+    if parent is None or not os.access(parent, os.W_OK):
+        pytest.skip("no writable pids cgroup here")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    left = parent / f"{CGROUP_PREFIX}{int(gone.stdout)}-1"
+    left.mkdir()
+    try:
+        run("echo", {}, tmp_path / "s")
+        assert not left.exists()
+        assert not list(parent.glob(f"{CGROUP_PREFIX}{os.getpid()}-*"))
+    finally:
+        with contextlib.suppress(OSError):
+            left.rmdir()
