@@ -145,7 +145,7 @@ def api(
     if settings.api_processes == 1 and settings.api_agent_port is None:
         application = create_app(settings)
         collect_on_schedule(settings)
-        uvicorn.run(application, **config)
+        uvicorn.run(application, **config, **settings.connection_limits().uvicorn_options())
         return
     from services.api.processes import serve
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from artifact_store.http_guard import ConnectionLimits
 from runtime_agent.trust import AgentTrust
 from schemas.agents import AGENT_NAME_PATTERN
 from schemas.deployments import LABEL_KEY_PATTERN
@@ -93,6 +94,15 @@ class AgentSettings(BaseSettings):
     #: ``Authorization: Bearer <token>``. Required when ``serve_host`` is not loopback (the
     #: agent refuses to start without it).
     serve_token: SecretStr | None = None
+    #: Seconds a client of the inference server has to send a request's whole head, from
+    #: connecting or from the first byte of its next request; past it the connection is
+    #: closed (a client trickling its headers holds nothing for long). 0: no bound.
+    serve_header_timeout_s: float = Field(10.0, ge=0)
+    #: Connections one client address may hold open to the inference server; more are
+    #: closed as they open. 0: no bound.
+    serve_max_connections_per_client: int = Field(256, ge=0)
+    #: Seconds an idle kept-alive connection to the inference server stays open.
+    serve_keep_alive_s: float = Field(5.0, gt=0)
     #: A declared ``HardwareFingerprint`` (JSON) instead of detection.
     fingerprint_file: Path | None = None
     #: Root public keys (Ed25519, PEM files): the agent follows the control plane's root
@@ -122,6 +132,12 @@ class AgentSettings(BaseSettings):
     #: TCP ports the confined agent may connect to besides the control plane's (``api_url``'s):
     #: the blob store's, where downloads redirect to presigned URLs (e.g. ``443,9000``).
     connect_ports: Annotated[list[int], NoDecode] = [443]
+
+    def connection_limits(self) -> ConnectionLimits:
+        """What a client may hold of the inference server before its request is whole."""
+        return ConnectionLimits(header_timeout_s=self.serve_header_timeout_s,
+                                max_per_client=self.serve_max_connections_per_client,
+                                keep_alive_s=self.serve_keep_alive_s)
 
     @field_validator("labels", mode="before")
     @classmethod

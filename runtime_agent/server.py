@@ -55,8 +55,10 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from artifact_store.http_guard import ConnectionLimits
 from runtime_agent import inference, oip
 from runtime_agent.bounded import check_npz, load_json
+from runtime_agent.config import get_settings
 from runtime_agent.inference import Metrics
 from runtime_agent.oip import array_from_json
 from runtime_agent.serving import ModelTable, ServedModel
@@ -413,11 +415,16 @@ def server_version() -> str:
 
 
 class ServerThread:
-    """Runs an ASGI app with uvicorn in a daemon thread (the agent's inference server)."""
+    """Runs an ASGI app with uvicorn in a daemon thread (the agent's inference server), with
+    ``limits`` on what a client holds before its request is whole
+    (``artifact_store.http_guard``; default: the agent's settings, ``KILN_AGENT_SERVE_*``)."""
 
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, *,
+                 limits: ConnectionLimits | None = None) -> None:
+        if limits is None:
+            limits = get_settings().connection_limits()
         config = uvicorn.Config(app, host=host, port=port, lifespan="off", access_log=False,
-                                log_level="warning")
+                                log_level="warning", **limits.uvicorn_options())
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="kiln-agent-server",
                                         daemon=True)

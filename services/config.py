@@ -13,6 +13,7 @@ from typing import Literal, Self
 from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from artifact_store.http_guard import ConnectionLimits
 from schemas.errors import ConfigError
 
 DEFAULT_SECRET = "change-me"
@@ -190,6 +191,16 @@ class KilnSettings(SharedSettings):
     #: with `Retry-After` at once instead of queueing without bound. `/healthz` and the
     #: agents' liveness heartbeats (`Prefer: return=minimal`) do not count.
     api_max_db_requests: int = Field(64, ge=1, le=4096)
+    #: Seconds a client has to send a request's whole head (request line and headers), from
+    #: connecting or from the first byte of its next request; past it the connection is
+    #: closed. Bounds what a client that trickles its headers (slowloris) holds. 0: no bound.
+    api_header_timeout_s: float = Field(10.0, ge=0)
+    #: Connections one client address may hold open to an API process; more are closed as
+    #: they open. Raise it when many agents reach the API from one address (a NAT): each
+    #: holds its long-poll open. 0: no bound.
+    api_max_connections_per_client: int = Field(512, ge=0)
+    #: Seconds an idle kept-alive connection stays open between requests.
+    api_keep_alive_s: float = Field(5.0, gt=0)
     #: How often a `kiln api` process runs a full garbage collection, seconds; automatic full
     #: collections are off in between, and what start-up built is frozen out of every
     #: collection (``services/api/collector.py``: with thousands of held long-polls, CPython's
@@ -288,6 +299,12 @@ class KilnSettings(SharedSettings):
         if self.trust_dir is None:
             self.trust_dir = home / "trust"
         return self
+
+    def connection_limits(self) -> ConnectionLimits:
+        """What a client may hold of an API process before its request is whole."""
+        return ConnectionLimits(header_timeout_s=self.api_header_timeout_s,
+                                max_per_client=self.api_max_connections_per_client,
+                                keep_alive_s=self.api_keep_alive_s)
 
     @property
     def defaulted(self) -> frozenset[str]:

@@ -34,6 +34,7 @@ from types import FrameType
 import uvicorn
 
 from schemas.errors import ConfigError
+from services.config import get_settings
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def serve(processes: int, *, host: str, port: int, log_level: str,
             raise ConfigError("KILN_API_AGENT_PORT needs SO_REUSEPORT as Linux has it; "
                               "unset it here")
         uvicorn.run(FACTORY, factory=True, workers=processes, host=host, port=port,
-                    log_level=log_level)
+                    log_level=log_level, **get_settings().connection_limits().uvicorn_options())
         return 0
     if agent_port is not None and agent_port == port:
         raise ConfigError(f"KILN_API_AGENT_PORT ({agent_port}) must differ from the API's "
@@ -143,5 +144,6 @@ def _serve_one(host: str, port: int, log_level: str, nice: int = 0) -> None:
     sock.bind((host, port))
     sock.listen(2048)
     sock.set_inheritable(True)
-    config = uvicorn.Config(FACTORY, factory=True, host=host, port=port, log_level=log_level)
+    config = uvicorn.Config(FACTORY, factory=True, host=host, port=port, log_level=log_level,
+                            **get_settings().connection_limits().uvicorn_options())
     uvicorn.Server(config).run(sockets=[sock])

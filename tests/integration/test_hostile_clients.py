@@ -15,7 +15,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.hostile import KilnApi, Outcome, crowd, probe, token
+from tests.integration.hostile import (
+    KilnApi,
+    Outcome,
+    closed_by_server,
+    crowd,
+    probe,
+    slow_heads,
+    token,
+    trickle,
+)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -128,3 +137,50 @@ def test_unauthenticated_unique_paths_leave_the_api_s_memory_flat(quiet_api: Kil
     assert outcome.statuses == {"401": 3000}, outcome.statuses
     # 3,000 paths of 15 KB are 45 MB: kept, they would show.
     assert grown < 20 * 1024 * 1024, f"the API grew by {grown / 2**20:.1f} MB"
+
+
+HEADER_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def guarded_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilnApi]:
+    api = KilnApi(tmp_path_factory.mktemp("guarded") / "home", {
+        "KILN_API_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
+        "KILN_API_MAX_CONNECTIONS_PER_CLIENT": "60"})
+    api.start()
+    try:
+        yield api
+    finally:
+        api.stop()
+
+
+def test_slow_request_heads_are_closed_and_healthz_keeps_answering(
+        guarded_api: KilnApi) -> None:
+    started = time.monotonic()
+    slow = slow_heads(guarded_api.port, 50)
+    try:
+        for _ in range(3):  # a header line every half second: never a whole head
+            time.sleep(0.5)
+            assert trickle(slow) == 50
+            answer = httpx.get(guarded_api.url + "/healthz", timeout=5)
+            assert answer.status_code == 200
+        time.sleep(max(0.0, started + HEADER_TIMEOUT_S + 1.5 - time.monotonic()))
+        closed = sum(closed_by_server(sock, 0.05) for sock in slow)
+        assert closed == 50, f"{50 - closed} slow connections still open past the head timeout"
+    finally:
+        for sock in slow:
+            sock.close()
+    assert httpx.get(guarded_api.url + "/healthz", timeout=5).status_code == 200
+
+
+def test_one_client_address_holds_at_most_its_share(guarded_api: KilnApi) -> None:
+    held = slow_heads(guarded_api.port, 70)
+    try:
+        time.sleep(0.3)
+        early = sum(closed_by_server(sock, 0.01) for sock in held)
+        assert early == 10, f"{early} connections closed at once; expected the 10 past 60"
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.2)
+    assert httpx.get(guarded_api.url + "/healthz", timeout=5).status_code == 200

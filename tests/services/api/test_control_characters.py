@@ -48,7 +48,8 @@ def test_a_control_character_in_the_path_or_query_is_a_400(api: TestClient, path
 
 
 def test_a_nul_in_a_deployments_selector_is_a_400_and_commits_nothing(api: TestClient):
-    model = api.post("/v1/models", files={"file": ("m.onnx", mlp().SerializeToString())}, data={"name": "m"})
+    model = api.post("/v1/models", files={"file": ("m.onnx", mlp().SerializeToString())},
+                     data={"name": "m"})
     assert model.status_code == 201, model.text
     answer = api.post("/v1/deployments", json={
         "name": "web", "model_id": model.json()["id"], "selector": {"zone": "eu\x00west"}})
@@ -62,7 +63,8 @@ def test_a_nul_in_a_deployments_selector_is_a_400_and_commits_nothing(api: TestC
 
 
 def test_a_nul_in_a_name_or_label_is_a_400(api: TestClient):
-    model = api.post("/v1/models", files={"file": ("m.onnx", mlp().SerializeToString())}, data={"name": "m\x00x"})
+    model = api.post("/v1/models", files={"file": ("m.onnx", mlp().SerializeToString())},
+                     data={"name": "m\x00x"})
     assert model.status_code == 400, model.text
     assert api.get("/v1/models").json() == []
     agent = registration("node-1", "ort-cpu-x86-64-v3-ort1.32", labels={"zone": "a\x00b"})
