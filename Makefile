@@ -41,7 +41,7 @@ bench: install
 
 compose-check:
 	KILN_SECRET_KEY=placeholder POSTGRES_PASSWORD=x MINIO_ROOT_USER=x MINIO_ROOT_PASSWORD=placeholder KILN_AGENT_TOKEN=x KILN_AGENT_SERVE_TOKEN=x KILN_WORKER_TOKEN=x \
-	  docker-compose -f docker-compose.yml config --quiet
+	  docker-compose -f docker-compose.yml --profile gpu config --quiet
 
 clean:
 	rm -rf .kiln build *.egg-info
