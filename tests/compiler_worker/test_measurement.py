@@ -222,7 +222,7 @@ def test_finalists_within_noise_of_the_default_keep_the_default(tmp_path: Path) 
 
 
 def test_a_clear_lead_wins_over_the_default(tmp_path: Path) -> None:
-    default = _trial("default", _Scripted([0.006]))
+    default = _trial("default", _Scripted([0.012]))
     challenger = _trial("challenger", _Scripted([0.001]))
     options = CompileOptions(benchmark_iterations=10, tuning_budget_s=30)
     choice = tuner_module._benchmark([default, challenger], FEED, options,
