@@ -184,3 +184,31 @@ def test_one_client_address_holds_at_most_its_share(guarded_api: KilnApi) -> Non
             sock.close()
     time.sleep(0.2)
     assert httpx.get(guarded_api.url + "/healthz", timeout=5).status_code == 200
+
+
+def test_healthz_answers_while_every_thread_waits_for_the_database(tmp_path: Path) -> None:
+    import sqlite3
+
+    api = KilnApi(tmp_path / "home", {"KILN_API_THREADS": "2"}).start()
+    lock = sqlite3.connect(tmp_path / "home" / "kiln.db", isolation_level=None, timeout=30)
+    headers = {"Authorization": f"Bearer {token('reader')}"}
+    answers: list[int] = []
+    try:
+        lock.execute("BEGIN IMMEDIATE")  # every request's transaction now waits for it
+        waiting = [threading.Thread(target=lambda: answers.append(httpx.get(
+            api.url + "/v1/models", headers=headers, timeout=60).status_code))
+            for _ in range(6)]
+        for thread in waiting:
+            thread.start()
+        time.sleep(1.0)
+        assert answers == []  # both threads are blocked on the lock
+        health = probe(api.url + "/healthz", every_s=0.2, until=time.monotonic() + 1.5,
+                       timeout_s=3)
+        assert set(health.statuses) == {"200"}, health.statuses
+        lock.execute("ROLLBACK")
+        for thread in waiting:
+            thread.join(60)
+        assert answers == [200] * 6, answers
+    finally:
+        lock.close()
+        api.stop()
