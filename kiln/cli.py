@@ -232,9 +232,10 @@ def agent(
     fingerprint_file: Annotated[Path | None, typer.Option(exists=True)] = None,
     build: Annotated[bool, typer.Option(
         "--build", help="also run a compiler worker for this node's own hardware (build on "
-        "device; needs KILN_WORKER_TOKEN, a worker token for this node's keys, and the "
-        "control plane's KILN_DATABASE_URL, KILN_STORE_URI and KILN_BROKER_URL in the "
-        "environment; it holds no signing key)")] = False,
+        "device; needs KILN_WORKER_TOKEN, a worker token for this node's keys, and "
+        "KILN_BROKER_URL, the queue it consumes; it reaches the control plane over HTTP "
+        "only, at --api unless KILN_WORKER_API_URL says otherwise, and holds no database "
+        "URL, store credential or signing key)")] = False,
 ) -> None:
     """Run a runtime agent: register, pull the engines deployed to this node, serve them."""
     from pydantic import ValidationError
