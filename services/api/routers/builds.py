@@ -51,7 +51,7 @@ import re
 import tempfile
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi import Path as PathParam
@@ -418,9 +418,27 @@ def fail_job(error: ErrorBody, session: SessionDep, principal: WorkerPrincipal,
     """Fail the job with a typed reason (a job already failed or cancelled keeps its own;
     one that succeeded is 409)."""
     _scoped_job(session, principal, job_id)
-    failed = repo.fail_job(session, job_id=job_id, error=error)
+    failed = repo.fail_job(session, job_id=job_id, error=_without_nul(error))
     session.commit()
     return failed
+
+
+def _without_nul(error: ErrorBody) -> ErrorBody:
+    """``error`` with each NUL in its text written ``\\x00``: a build's message may quote
+    what a model holds, the database refuses NUL in text (``services/db/session.py``), and
+    the job must still fail with its typed reason."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            return value.replace("\x00", "\\x00")
+        if isinstance(value, dict):
+            return {clean(k): clean(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    return ErrorBody(code=error.code, message=clean(error.message),
+                     details=clean(error.details))
 
 
 @router.post("/{job_id}/cache", response_model=CacheAnswer)

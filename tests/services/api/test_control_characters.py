@@ -71,3 +71,19 @@ def test_a_nul_in_a_name_or_label_is_a_400(api: TestClient):
     answer = api.post("/v1/agents", json=agent)
     assert answer.status_code in (400, 422), answer.text
     assert api.get("/v1/agents").json() == []
+
+
+def test_a_build_failure_quoting_a_nul_still_fails_the_job_with_its_reason(api: TestClient):
+    from tests.services.api.test_builds import worker_bearer
+    from tests.services.api.test_builds_worker import claim, get_job, queued_job
+
+    job_id = queued_job(api)
+    assert claim(api, job_id).status_code == 200
+    failed = api.post(f"/v1/builds/{job_id}/fail", headers={"Authorization": worker_bearer()},
+                      json={"code": "model_check_failed", "message": "node 'a\x00b' is bad",
+                            "details": {"node": "a\x00b"}})
+    assert failed.status_code == 200, failed.text
+    job = get_job(api, job_id)
+    assert job.error.code == "model_check_failed"
+    assert job.error.message == "node 'a\\x00b' is bad"
+    assert job.error.details == {"node": "a\\x00b"}
