@@ -205,12 +205,14 @@ def test_only_the_instance_that_claimed_a_job_writes_into_it(api: TestClient) ->
                   {"X-Kiln-Claim": claim_lease("not the secret", job_id, "i2")}):
         refused = upload(api, job_id, "engine", ENGINE, token=token, claim=claim)
         assert refused.status_code == 403, refused.text
-        assert "claimed" in refused.json()["message"] and "X-Kiln-Claim" in refused.json()["message"]
+        message = refused.json()["message"]
+        assert "claimed" in message and "X-Kiln-Claim" in message
     built = build_manifest(api, job_id)
     assert not api.app.state.store.has_blob(built.blob("engine"))
     assert upload(api, job_id, "engine", ENGINE, token=token, claim=own).status_code == 200
     assert upload(api, job_id, "config", SIDECAR, token=token, claim=own).status_code == 200
-    stolen = complete(api, job_id, built, token=token, claim={"X-Kiln-Claim": second.json()["lease"]})
+    stolen = complete(api, job_id, built, token=token,
+                      claim={"X-Kiln-Claim": second.json()["lease"]})
     assert stolen.status_code == 403, stolen.text
     nothing_recorded(api, job_id, built)
     done = complete(api, job_id, built, token=token, claim=own)
