@@ -186,11 +186,15 @@ class KilnSettings(SharedSettings):
     #: each computation is mostly Python, and every busy thread takes turns at the interpreter
     #: lock with the event loop that answers heartbeats and held long-polls.
     api_desired_state_threads: int = Field(2, ge=1, le=64)
-    #: Requests each `kiln api` process lets use or wait for the database at once (they take
-    #: turns at its `KILN_API_THREADS`); the next one is answered 503 `database_unavailable`
-    #: with `Retry-After` at once instead of queueing without bound. `/healthz` and the
-    #: agents' liveness heartbeats (`Prefer: return=minimal`) do not count.
-    api_max_db_requests: int = Field(64, ge=1, le=4096)
+    #: Requests each `kiln api` process lets use the database at once (they take turns at its
+    #: `KILN_API_THREADS`); the next ones wait for a turn up to `KILN_API_DB_QUEUE_S`, then
+    #: are answered 503 `database_unavailable` with `Retry-After`, instead of queueing without
+    #: bound. `/healthz` and the agents' liveness heartbeats (`Prefer: return=minimal`) do
+    #: not count.
+    api_max_db_requests: int = Field(32, ge=1, le=4096)
+    #: Seconds a request waits for a turn at the database (`KILN_API_MAX_DB_REQUESTS`) before
+    #: it is refused with 503; 0 refuses at once. A waiting request holds no thread.
+    api_db_queue_s: float = Field(1.0, ge=0, le=60)
     #: Seconds a client has to send a request's whole head (request line and headers), from
     #: connecting or from the first byte of its next request; past it the connection is
     #: closed. Bounds what a client that trickles its headers (slowloris) holds. 0: no bound.

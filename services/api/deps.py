@@ -44,14 +44,14 @@ def end_transaction(session: Session) -> None:
 
 async def get_session(request: Request) -> AsyncIterator[Session]:
     """A session for the request (it takes a connection only when first used, in the route's
-    thread), admitted by ``threads.DatabaseAdmission`` (503 at once past its bound). A plain
+    thread), admitted by ``threads.DatabaseAdmission`` (503 past its bound and wait). A plain
     ``def`` route ends its transaction in its own thread (``Route``); whatever is still open
     afterwards is rolled back here, in a thread outside the default pool: the requests queued
     for that pool may all be waiting for this session's lock or connection
     (``services/api/threads.py``)."""
     admission = getattr(request.app.state, "db_admission", None)
     if admission is not None:
-        admission.enter()
+        await admission.enter()
     session = request.app.state.session_factory()
     try:
         yield session

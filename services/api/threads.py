@@ -17,8 +17,8 @@ across those hops held SQLite's write lock (every transaction there is ``BEGIN I
 or a pooled PostgreSQL connection while its next hop queued behind requests whose threads were
 all blocked waiting for that lock or connection: the pool deadlocked on itself until the busy
 or pool timeout, again and again. How many requests may use or wait for the database at once
-is bounded too (``DatabaseAdmission``): the next one is answered 503 at once instead of
-queueing without end.
+is bounded too (``DatabaseAdmission``): the next ones wait a bounded time for a turn, then are
+answered 503, instead of queueing without end.
 """
 
 from __future__ import annotations
@@ -43,31 +43,44 @@ def configure(app: FastAPI, settings: KilnSettings) -> None:
     anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
     app.state.slow_threads = anyio.CapacityLimiter(settings.api_slow_threads)
     app.state.desired_threads = anyio.CapacityLimiter(settings.api_desired_state_threads)
-    app.state.db_admission = DatabaseAdmission(settings.api_max_db_requests)
+    app.state.db_admission = DatabaseAdmission(settings.api_max_db_requests,
+                                               settings.api_db_queue_s)
 
 
 class DatabaseAdmission:
-    """At most ``limit`` requests of this process use or wait for the database at once; the
-    next is refused (503, ``Retry-After``) at once rather than queued. Used on the event loop
-    only (no lock). Also sizes the pool that ends requests' sessions (``finish``): every
-    admitted request may need one of its threads, and none waits on what a queued request
-    holds, so a session's end never waits for the default pool."""
+    """At most ``limit`` requests of this process use the database at once; the next ones wait
+    for a turn (on the event loop, which costs nothing while they wait) for up to ``wait_s``,
+    then are refused (503, ``Retry-After``). Waiting rather than refusing at once keeps a crowd
+    that retries on every refusal from spending the event loop on refusals (it then had no
+    time left for ``/healthz``). Used on the event loop only. Also sizes the pool that ends
+    requests' sessions (``finish``): every admitted request may need one of its threads, and
+    none waits on what a queued request holds, so a session's end never waits for the
+    default pool."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, wait_s: float = 0.0) -> None:
         self.limit = limit
-        self.active = 0
+        self.wait_s = wait_s
+        self.turns = anyio.Semaphore(limit)
         self.finishing = anyio.CapacityLimiter(limit)
 
-    def enter(self) -> None:
-        if self.active >= self.limit:
-            raise DatabaseUnavailable(
-                f"this API process is serving as many database requests as it takes at once "
-                f"({self.limit}, KILN_API_MAX_DB_REQUESTS); try again",
-                reason="busy", limit=self.limit)
-        self.active += 1
+    async def enter(self) -> None:
+        try:
+            self.turns.acquire_nowait()
+            return
+        except anyio.WouldBlock:
+            pass
+        if self.wait_s > 0:
+            with anyio.move_on_after(self.wait_s):
+                await self.turns.acquire()
+                return
+        raise DatabaseUnavailable(
+            f"this API process is serving as many database requests as it takes at once "
+            f"({self.limit}, KILN_API_MAX_DB_REQUESTS) and none finished within "
+            f"{self.wait_s:g} s (KILN_API_DB_QUEUE_S); try again",
+            reason="busy", limit=self.limit)
 
     def leave(self) -> None:
-        self.active -= 1
+        self.turns.release()
 
     async def finish(self, fn: Callable[[], T], /) -> T:
         """``fn()`` (a session's rollback and close) in a thread outside the default pool."""

@@ -34,11 +34,13 @@ def database(request: pytest.FixtureRequest) -> dict[str, str]:
     return {"KILN_DATABASE_URL": request.getfixturevalue("postgres_url")}
 
 
-@pytest.fixture
-def busy_api(tmp_path: Path, database: dict[str, str]) -> Iterator[KilnApi]:
+@pytest.fixture(params=["1"])
+def busy_api(request: pytest.FixtureRequest, tmp_path: Path,
+             database: dict[str, str]) -> Iterator[KilnApi]:
     # Few threads and few pooled connections, so that a handful of clients is a crowd.
     api = KilnApi(tmp_path / "home", {**database, "KILN_API_THREADS": "4",
                                       "KILN_API_MAX_DB_REQUESTS": "12",
+                                      "KILN_API_DB_QUEUE_S": request.param,
                                       "KILN_DB_POOL_SIZE": "4", "KILN_DB_MAX_OVERFLOW": "2"})
     api.start()
     try:
@@ -71,6 +73,7 @@ def test_a_crowd_of_readers_is_served_or_refused_never_hung(busy_api: KilnApi) -
     assert after.status_code == 200, after.text
 
 
+@pytest.mark.parametrize("busy_api", ["0"], indirect=True)
 def test_past_its_bound_a_request_is_refused_at_once_with_retry_after(
         busy_api: KilnApi) -> None:
     headers = {"Authorization": f"Bearer {token('reader')}"}
@@ -95,6 +98,7 @@ def test_past_its_bound_a_request_is_refused_at_once_with_retry_after(
     body = refused[0].json()
     assert body["code"] == "database_unavailable", body
     assert "KILN_API_MAX_DB_REQUESTS" in body["message"], body
+    assert "KILN_API_DB_QUEUE_S" in body["message"], body
     assert refused[0].headers.get("retry-after") == "1"
 
 
