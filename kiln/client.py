@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import BaseModel
 
 from runtime_agent.download import download
 from runtime_agent.errors import error_from_response
@@ -17,11 +18,16 @@ from schemas import (
     BlobRef,
     CompileJob,
     CompileOptions,
+    JobStatus,
     ModelInfo,
+    Precision,
 )
+from schemas.agents import AgentInfo, ModelState
 from schemas.datasets import DatasetInfo
-from schemas.errors import ErrorCode, KilnError
+from schemas.deployments import Deployment
+from schemas.errors import ErrorBody, ErrorCode, InvalidRequest, KilnError
 from schemas.retention import RetentionReport
+from schemas.rollouts import Rollout
 from schemas.tuning import TuningTable
 
 
@@ -261,6 +267,15 @@ class KilnClient:
         }
         return self._call("POST", "/v1/deployments", json=payload).json()
 
+    def built_options(self, model_id: str) -> CompileOptions | None:
+        """The options of the model's latest successful build (``None`` when it has none):
+        what a deployment of it should ask for to serve that engine rather than queue
+        another."""
+        for job in self.list_jobs(model_id=model_id, status=JobStatus.SUCCEEDED.value,
+                                  limit=1):
+            return job.options
+        return None
+
     def list_deployments(self) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/deployments").json()
 
@@ -313,3 +328,244 @@ class KilnClient:
 
     def health(self) -> dict[str, Any]:
         return self._call("GET", "/healthz").json()
+
+
+# ---------------------------------------------------------------- the one-call SDK
+class DeploymentApplied(BaseModel):
+    """What ``POST /v1/deployments`` answers: the deployment, the compile jobs it queued for
+    the agents it selects that have no engine yet, and the rollout it started (if any)."""
+
+    deployment: Deployment
+    build_jobs: list[str]
+    rollout: Rollout | None = None
+
+
+class Job:
+    """One submission of a model: a compile job per target fingerprint key (``jobs``).
+    ``wait()`` waits for them and returns the engine's manifest."""
+
+    def __init__(self, client: KilnClient, model: ModelInfo, jobs: list[CompileJob]) -> None:
+        self.client = client
+        self.model = model
+        self.jobs = jobs
+
+    def __repr__(self) -> str:
+        states = ", ".join(f"{j.fingerprint_key}: {j.status.value}" for j in self.jobs)
+        return f"<kiln.Job model {self.model.id[:12]} ({states})>"
+
+    @property
+    def ids(self) -> list[str]:
+        return [j.id for j in self.jobs]
+
+    def refresh(self) -> list[CompileJob]:
+        """Read every job's state again."""
+        self.jobs = [self.client.get_job(j.id) for j in self.jobs]
+        return self.jobs
+
+    def wait_all(self, timeout_s: float = 1800, *,
+                 on_update: Callable[[CompileJob], None] | None = None) -> list[ArtifactManifest]:
+        """Wait for every job; the manifest of each target's engine, in the order of
+        ``jobs``. A job that did not succeed raises its typed error (its code and message as
+        the build reported them), naming the job and its key."""
+        deadline = time.monotonic() + timeout_s
+        finished = [self.client.wait_job(j.id, timeout_s=max(deadline - time.monotonic(), 0),
+                                         on_update=on_update) for j in self.jobs]
+        self.jobs = finished
+        for job in finished:
+            if job.status is not JobStatus.SUCCEEDED:
+                body = job.error or ErrorBody(
+                    code=ErrorCode.CANCELLED if job.status is JobStatus.CANCELLED
+                    else ErrorCode.BUILD_FAILED, message=f"the job ended {job.status.value}")
+                raise KilnError(f"job {job.id} for {job.fingerprint_key} "
+                                f"{job.status.value}: {body.message}", code=body.code,
+                                job_id=job.id, fingerprint_key=job.fingerprint_key)
+        return [self.client.get_manifest(j.artifact_id or "") for j in finished]
+
+    def wait(self, timeout_s: float = 1800, *,
+             on_update: Callable[[CompileJob], None] | None = None) -> ArtifactManifest:
+        """Wait for the job and return its engine's manifest. A submission to several
+        fingerprint keys has several engines: ``wait_all()`` returns them."""
+        if len(self.jobs) != 1:
+            raise InvalidRequest(
+                f"this submission built for {len(self.jobs)} fingerprint keys "
+                f"({[j.fingerprint_key for j in self.jobs]}); call wait_all() for their "
+                f"artifacts, or submit with one target", keys=[j.fingerprint_key
+                                                               for j in self.jobs])
+        return self.wait_all(timeout_s, on_update=on_update)[0]
+
+
+class DeploymentHandle:
+    """A deployment as applied: ``wait()`` returns once every live agent it selects serves
+    the engine built for it."""
+
+    def __init__(self, client: KilnClient, applied: DeploymentApplied) -> None:
+        self.client = client
+        self.applied = applied
+
+    def __repr__(self) -> str:
+        d = self.deployment
+        return f"<kiln.Deployment {d.name} generation {d.generation} model {d.model_id[:12]}>"
+
+    @property
+    def deployment(self) -> Deployment:
+        return self.applied.deployment
+
+    @property
+    def name(self) -> str:
+        return self.applied.deployment.name
+
+    def status(self) -> list[AgentServing]:
+        """Each live agent the deployment selects, and what it serves of it."""
+        return deployment_status(self.client, self.deployment)
+
+    def wait(self, timeout_s: float = 600, *, poll_s: float = 0.5,
+             on_update: Callable[[list[AgentServing]], None] | None = None,
+             ) -> list[AgentServing]:
+        """Wait until the builds it queued finished and every live agent it selects serves
+        its engine for this generation (state ``serving``, nothing pending, not the
+        fallback tier while a build for it runs). A failed build raises its typed error; an
+        agent that reports a failure raises it, naming the agent. With no agent selected,
+        returns at once (nothing to serve)."""
+        deadline = time.monotonic() + timeout_s
+        for job_id in self.applied.build_jobs:
+            job = self.client.wait_job(job_id, timeout_s=max(deadline - time.monotonic(), 0))
+            if job.status is not JobStatus.SUCCEEDED:
+                body = job.error or ErrorBody(code=ErrorCode.BUILD_FAILED,
+                                              message=f"the job ended {job.status.value}")
+                raise KilnError(f"deployment {self.name}: build {job.id} for "
+                                f"{job.fingerprint_key} {job.status.value}: {body.message}",
+                                code=body.code, job_id=job.id)
+        while True:
+            agents = self.status()
+            if on_update is not None:
+                on_update(agents)
+            for agent in agents:
+                if agent.state == ModelState.FAILED.value and agent.error is not None:
+                    raise KilnError(f"deployment {self.name}: agent {agent.agent} failed to "
+                                    f"load its engine: {agent.error.message}",
+                                    code=agent.error.code, agent=agent.agent)
+            if all(a.ready for a in agents):
+                return agents
+            if time.monotonic() > deadline:
+                waiting = [f"{a.agent} ({a.state or 'nothing reported'})"
+                           for a in agents if not a.ready]
+                raise KilnError(f"deployment {self.name}: after {timeout_s:g} s, agents "
+                                f"not serving yet: {', '.join(waiting)}",
+                                code=ErrorCode.TIMED_OUT, agents=waiting)
+            time.sleep(poll_s)
+
+
+class AgentServing(BaseModel):
+    """One selected agent and what it reports of a deployment."""
+
+    agent: str
+    alive: bool
+    #: ``ModelState`` as the agent reported it; ``None`` before it reported this deployment.
+    state: str | None = None
+    artifact_id: str | None = None
+    tier: str | None = None
+    error: ErrorBody | None = None
+    #: Serving, with nothing pending, and not a fallback while its own build runs.
+    ready: bool = False
+
+
+def deployment_status(client: KilnClient, deployment: Deployment) -> list[AgentServing]:
+    """Every live agent ``deployment`` selects, with what it reports of it."""
+    rows = []
+    for record in client.list_agents():
+        info = AgentInfo.model_validate(record)
+        if not info.alive or not deployment.selects(info.labels):
+            continue
+        status = next((m for m in info.models if m.deployment == deployment.name), None)
+        if status is None:
+            rows.append(AgentServing(agent=info.name, alive=True))
+            continue
+        ready = (status.state is ModelState.SERVING and status.target_artifact_id is None
+                 and status.artifact_id is not None and status.tier != "fallback")
+        rows.append(AgentServing(agent=info.name, alive=True, state=status.state.value,
+                                 artifact_id=status.artifact_id, tier=status.tier,
+                                 error=status.error, ready=ready))
+    return rows
+
+
+class Client:
+    """The one-call SDK::
+
+        import kiln
+        client = kiln.Client("http://127.0.0.1:8000", token)
+        artifact = client.submit("model.onnx", precision="auto").wait()
+        client.deploy("resnet", artifact.model_sha256, selector={"site": "a"}).wait()
+
+    ``url`` and ``token`` default to ``KILN_API_URL`` / ``KILN_TOKEN``, then the
+    ``client.json`` that ``kiln up`` writes under ``KILN_HOME``. ``api`` is the underlying
+    ``KilnClient`` (every endpoint, one method each)."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, *,
+                 timeout: float = 60.0) -> None:
+        if url is None or token is None:
+            from kiln.config import ClientSettings
+
+            default_url, default_token = ClientSettings().resolved()
+            url, token = url or default_url, token or default_token
+        self.api = KilnClient(url, token, timeout=timeout)
+
+    def close(self) -> None:
+        self.api.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(self, model: str | Path | bytes, *, precision: Precision | str = Precision.FP32,
+               targets: Iterable[str] | None = None, options: CompileOptions | None = None,
+               name: str | None = None, **option_fields: Any) -> Job:
+        """Upload ``model`` (a path to an ``.onnx``, with its external data beside it, or to
+        a model archive; or the ``.onnx`` bytes) and queue a compile per target (default:
+        every fingerprint key a live worker builds). ``precision`` and any other
+        ``CompileOptions`` field may be given by keyword, or whole as ``options``."""
+        options = _compile_options(options, precision, option_fields)
+        info = self.api.upload_model(model if isinstance(model, bytes) else Path(model),
+                                     name=name)
+        keys = list(targets) if targets is not None else \
+            self.api.live_fingerprint_keys(info.format)
+        if not keys:
+            raise InvalidRequest("no live compiler worker is registered that builds "
+                                 f"{info.format} models; start one (`kiln worker`) or name "
+                                 "the hardware with targets=[FINGERPRINT_KEY]")
+        return Job(self.api, info, self.api.create_jobs(info.id, keys, options))
+
+    def job(self, job_id: str) -> CompileJob:
+        return self.api.get_job(job_id)
+
+    def deploy(self, name: str, model: str, *, selector: dict[str, str] | None = None,
+               precision: Precision | str | None = None, options: CompileOptions | None = None,
+               rollout: dict[str, Any] | None = None, **option_fields: Any,
+               ) -> DeploymentHandle:
+        """Create or update deployment ``name`` serving ``model`` (a model id or unique
+        prefix) on the agents whose labels match ``selector``. Without ``options`` or
+        ``precision``, the options of the model's latest successful build are used, so a
+        model built with ``precision="auto"`` is served as built rather than rebuilt."""
+        if options is None and precision is None and not option_fields:
+            options = self.api.built_options(model)
+        options = _compile_options(options, precision or Precision.FP32, option_fields)
+        applied = DeploymentApplied.model_validate(
+            self.api.deploy(name, model, selector=selector, options=options, rollout=rollout))
+        return DeploymentHandle(self.api, applied)
+
+    def deployment(self, name: str) -> Deployment:
+        return Deployment.model_validate(self.api._call("GET", f"/v1/deployments/{name}").json())
+
+    def artifacts(self, **filters: Any) -> list[ArtifactSummary]:
+        return self.api.list_artifacts(**filters)
+
+    def manifest(self, artifact_id: str) -> ArtifactManifest:
+        return self.api.get_manifest(artifact_id)
+
+
+def _compile_options(options: CompileOptions | None, precision: Precision | str,
+                     fields: dict[str, Any]) -> CompileOptions:
+    if options is not None:
+        return options.model_copy(update=fields) if fields else options
+    return CompileOptions.model_validate({"precision": precision, **fields})
