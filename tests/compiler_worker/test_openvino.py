@@ -5,6 +5,7 @@ few calibration samples)."""
 
 from __future__ import annotations
 
+import io
 import tempfile
 from pathlib import Path
 
@@ -296,3 +297,24 @@ def test_custom_ops_are_refused_typed_and_leave_openvino_out(
     built = [c for c in result.manifest.tuning.candidates if c.name.startswith("openvino/")
              and c.outcome in (CandidateOutcome.WON, CandidateOutcome.SLOWER)]
     assert built == []
+
+
+def test_builds_in_the_workers_sandbox(tmp_path: Path, here: HardwareFingerprint) -> None:
+    """As a worker builds: in the bounded child with no credentials, no home and a scratch
+    folder only; OpenVINO compiles and NNCF quantizes there too."""
+    from artifact_store.sandbox import Limits
+    from compiler_worker.pipeline import plan_build
+    from compiler_worker.sandbox import Sandbox
+    from schemas._canonical import sha256_hex
+
+    model = small_cnn(batch=1)
+    options = CompileOptions(backends=["openvino"], precision=Precision.INT8, **FAST)
+    plan = plan_build(sha256_hex(model.SerializeToString()), options, here)
+    npz = io.BytesIO()
+    np.savez(npz, **samples_for(model, NNCF_MIN_CALIBRATION_SAMPLES))
+    result = Sandbox(Limits(address_space_bytes=8 << 30, wall_s=300)).compile_model(
+        model.SerializeToString(), options, fingerprint=here, workdir=tmp_path, plan=plan,
+        samples=npz.getvalue())
+    assert result.manifest.backend == "openvino"
+    assert result.manifest.precision == "int8-ptq"
+    assert result.manifest.runtime_config["quantization"]["method"] == "nncf.quantize"
