@@ -562,6 +562,8 @@ class Agent:
         if served is not None and served.artifact_id == artifact_id:
             served.tier = wanted.tier
             served.choice = _choice(wanted)
+            if served.batching != wanted.batching:  # the same engine, batched anew
+                self.models.put(served.with_batching(wanted.batching))
             self._report(name, ModelState.SERVING)
             return
         failure = self._failures.get((name, artifact_id))
@@ -586,7 +588,7 @@ class Agent:
                 self._serve_previous(name, artifact_id)
             return
         old = self.models.put(ServedModel(name, executor, tier=wanted.tier,
-                                          choice=_choice(wanted)))
+                                          choice=_choice(wanted), batching=wanted.batching))
         if old is not None:
             self.cache.unpin(old.artifact_id)
         self._remember_served()

@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
 
 from runtime_agent import inference, oip
 from runtime_agent.inference import Metrics
@@ -96,6 +97,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def ModelMetadata(self, request, context):
         return pb.ModelMetadataResponse(
             **oip.metadata(oip.resolve(self.table, request.name, request.version)))
+
+    @_protocol_errors
+    def ModelConfig(self, request, context):
+        config = oip.model_config(oip.resolve(self.table, request.name, request.version))
+        return pb.ModelConfigResponse(config=json_format.ParseDict(config, pb.ModelConfig()))
+
+    @_protocol_errors
+    def ModelStatistics(self, request, context):
+        return json_format.ParseDict(oip.statistics(self.table, request.name, request.version),
+                                     pb.ModelStatisticsResponse())
 
     @_protocol_errors
     def ModelInfer(self, request, context):

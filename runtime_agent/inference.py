@@ -129,7 +129,9 @@ class Metrics:
                         reason=error.code.value)
 
     def success(self, model: ServedModel, *, batch: int, compute_s: float,
-                request_s: float) -> None:
+                request_s: float, executions: int = 1) -> None:
+        """Count a successful request of ``batch`` inferences; ``executions`` is 0 for a
+        request that shared an engine call with one counted before it."""
         key = (model.name, model.artifact_id)
         series = self._series.get(key)
         if series is None:
@@ -138,7 +140,8 @@ class Metrics:
         series.latency.observe(compute_s)
         self.triton.add_many(series.key, (
             ("nv_inference_request_success", 1), ("nv_inference_count", batch),
-            ("nv_inference_exec_count", 1), ("nv_inference_request_duration_us", request_s * 1e6),
+            ("nv_inference_exec_count", executions),
+            ("nv_inference_request_duration_us", request_s * 1e6),
             ("nv_inference_compute_infer_duration_us", compute_s * 1e6)))
 
 
@@ -166,20 +169,25 @@ def batch_size(model: ServedModel, feed: Mapping[str, np.ndarray]) -> int:
 def run(model: ServedModel, decode: Callable[[], Mapping[str, np.ndarray]], metrics: Metrics,
         *, started: float | None = None) -> dict[str, np.ndarray]:
     """Decode a request's feed with ``decode()`` and run ``model`` on it (the executor checks
-    it against the signature), recording latency statistics and metrics; a ``KilnError``
-    from either step counts as a failed request. ``started`` is when the request arrived
-    (``time.perf_counter()``), for the request-duration metric."""
+    it against the signature; with a batching policy the model's batcher may stack it with
+    other requests), recording latency statistics, Triton's statistics and metrics; a
+    ``KilnError`` from either step counts as a failed request. ``started`` is when the
+    request arrived (``time.perf_counter()``), for the request-duration metric."""
     begin = time.perf_counter() if started is None else started
     try:
         feed = decode()
-        compute = time.perf_counter()
-        outputs = model.executor.run(feed)
+        outputs, info = model.infer(feed)
     except KilnError as exc:
         model.stats.record_error()
+        model.infer_stats.failed(time.perf_counter() - begin)
         metrics.failure(model.name, model.artifact_id, exc)
         raise
     end = time.perf_counter()
-    model.stats.record(end - compute)
-    metrics.success(model, batch=batch_size(model, feed), compute_s=end - compute,
-                    request_s=end - begin)
+    rows = batch_size(model, feed)
+    if model.batcher is None:
+        info.batch = rows
+    model.stats.record(info.compute_s)
+    model.infer_stats.succeeded(rows=rows, request_s=end - begin, info=info)
+    metrics.success(model, batch=rows, compute_s=info.compute_s, request_s=end - begin,
+                    executions=info.executions)
     return outputs

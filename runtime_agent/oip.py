@@ -318,3 +318,89 @@ def encode_rest(model: ServedModel, request: RestRequest,
     if not chunks:
         return header, None
     return b"".join([header, *chunks]), len(header)
+
+
+# ---------------------------------------------------------------- Triton's config and stats
+#: Triton's integer version of the one engine a model serves, in its statistics: tools that
+#: read them (perf_analyzer, model-analyzer) parse a statistics entry's version as an
+#: integer. The model's protocol version stays its artifact id.
+STATS_VERSION = "1"
+
+
+def triton_type(dtype: str) -> str:
+    """Triton's model-configuration data type (``TYPE_FP32`` ...) of a manifest dtype."""
+    name = datatype(dtype)
+    return f"TYPE_{name}" if dtype in DATATYPES else "TYPE_INVALID"
+
+
+def model_config(model: ServedModel) -> dict[str, Any]:
+    """Triton's model configuration (``GET /v2/models/{m}/config``, as JSON): signature from
+    the manifest, ``max_batch_size`` and ``dynamic_batching`` from the deployment's batching
+    policy, ``instance_group`` with its instance count. With a policy, the first axis is the
+    batch and is left out of each tensor's ``dims``, as Triton does; without one,
+    ``max_batch_size`` is 0 and ``dims`` are the whole shape (-1: dynamic)."""
+    policy = model.batching if model.batcher is not None else None
+    skip = 1 if policy is not None else 0
+
+    def tensor(spec: TensorSpec, output: bool) -> dict[str, Any]:
+        entry: dict[str, Any] = {"name": spec.name, "data_type": triton_type(spec.dtype),
+                                 "dims": dims(spec)[skip:]}
+        if not output:
+            entry.update(format="FORMAT_NONE", is_shape_tensor=False,
+                         allow_ragged_batch=False, optional=False)
+        else:
+            entry.update(label_filename="", is_shape_tensor=False)
+        return entry
+
+    config: dict[str, Any] = {
+        "name": model.name, "platform": platform(model), "backend": model.manifest.backend,
+        "version_policy": {"latest": {"num_versions": 1}},
+        "max_batch_size": policy.max_batch_size if policy else 0,
+        "input": [tensor(s, False) for s in model.manifest.inputs],
+        "output": [tensor(s, True) for s in model.manifest.outputs],
+        "instance_group": [{"name": model.name, "kind": "KIND_CPU" if _on_cpu(model)
+                            else "KIND_GPU",
+                            "count": policy.instances if policy else 1}],
+    }
+    if policy is not None:
+        config["dynamic_batching"] = {
+            "preferred_batch_size": list(policy.preferred_batch_sizes),
+            "max_queue_delay_microseconds": policy.max_queue_delay_us,
+            "preserve_ordering": False}
+    return config
+
+
+def _on_cpu(model: ServedModel) -> bool:
+    return type(model.executor).device_for(model.manifest.runtime_config) == "cpu"
+
+
+def _duration(pair: tuple[int, int]) -> dict[str, int]:
+    return {"count": pair[0], "ns": pair[1]}
+
+
+def model_stats(model: ServedModel) -> dict[str, Any]:
+    """One model's entry of Triton's statistics (``GET /v2/models/{m}/stats``)."""
+    stats = model.infer_stats.snapshot()
+    none = (0, 0)
+    return {
+        "name": model.name, "version": STATS_VERSION,
+        "last_inference": stats["last_inference"],
+        "inference_count": stats["inference_count"],
+        "execution_count": stats["execution_count"],
+        "inference_stats": {
+            "success": _duration(stats["success"]), "fail": _duration(stats["fail"]),
+            "queue": _duration(stats["queue"]), "compute_input": _duration(none),
+            "compute_infer": _duration(stats["compute_infer"]),
+            "compute_output": _duration(none), "cache_hit": _duration(none),
+            "cache_miss": _duration(none)},
+        "batch_stats": [{"batch_size": size, "compute_input": _duration(none),
+                         "compute_infer": _duration(pair), "compute_output": _duration(none)}
+                        for size, pair in stats["batches"].items()],
+    }
+
+
+def statistics(table: ModelTable, name: str = "", version: str = "") -> dict[str, Any]:
+    """``{"model_stats": [...]}`` for model ``name`` (at ``version``), or every loaded model
+    when ``name`` is empty."""
+    models = [resolve(table, name, version)] if name else table.all()
+    return {"model_stats": [model_stats(m) for m in models]}

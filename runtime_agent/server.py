@@ -265,7 +265,8 @@ def create_app(
             message = (f"no route {request.method} {request.url.path}; routes are POST "
                        f"/v1/models/{{name}}/infer, GET /v1/models, the Open Inference "
                        f"Protocol's /v2/health/{{live,ready}}, /v2/models/{{name}}[/versions/"
-                       f"{{v}}][/ready|/infer], POST /v2/repository/index, /metrics, /healthz")
+                       f"{{v}}][/ready|/infer|/config|/stats], POST /v2/repository/index, "
+                       f"/metrics, /healthz")
         return error(request, exc.status_code, ErrorBody(code=code, message=message))
 
     @app.exception_handler(Exception)
@@ -330,6 +331,11 @@ def create_app(
         return [{"name": m.name, "version": m.artifact_id, "state": "READY", "reason": ""}
                 for m in table.all()]
 
+    @app.get("/v2/models/stats")
+    # Before the model-metadata route, whose path would take "stats" for a model's name.
+    def all_stats() -> dict[str, Any]:
+        return oip.statistics(table)
+
     @app.get("/v2/models/{name}")
     @app.get("/v2/models/{name}/versions/{version}")
     def model_metadata(name: str, version: str = "") -> dict[str, Any]:
@@ -340,6 +346,16 @@ def create_app(
     def model_ready(name: str, version: str = "") -> Response:
         oip.resolve(table, name, version)
         return Response(status_code=200)
+
+    @app.get("/v2/models/{name}/config")
+    @app.get("/v2/models/{name}/versions/{version}/config")
+    def model_config(name: str, version: str = "") -> dict[str, Any]:
+        return oip.model_config(oip.resolve(table, name, version))
+
+    @app.get("/v2/models/{name}/stats")
+    @app.get("/v2/models/{name}/versions/{version}/stats")
+    def model_stats(name: str, version: str = "") -> dict[str, Any]:
+        return oip.statistics(table, name, version)
 
     @app.post("/v2/models/{name}/infer")
     @app.post("/v2/models/{name}/versions/{version}/infer")

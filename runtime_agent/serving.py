@@ -10,11 +10,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from runtime_agent.batching import Batcher, RunInfo, batchable
 from runtime_agent.executors import Executor
+from schemas.deployments import BatchingPolicy
 from schemas.errors import NotFound
 from schemas.manifest import ArtifactManifest
 
@@ -53,6 +57,57 @@ class LatencyStats:
                 "p50_ms": self.percentile_ms(50), "p90_ms": self.percentile_ms(90)}
 
 
+class InferStats:
+    """Triton's per-model statistics (``/v2/models/{m}/stats``): cumulative counts and
+    nanoseconds of successful, failed, queued and computed requests, inferences (rows) and
+    engine executions, and the engine time per batch size."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.success = [0, 0]
+        self.fail = [0, 0]
+        self.queue = [0, 0]
+        self.compute_infer = [0, 0]
+        self.inference_count = 0
+        self.execution_count = 0
+        #: Milliseconds since the epoch of the last inference; 0 before any.
+        self.last_inference = 0
+        #: Batch size → [executions, nanoseconds of engine time].
+        self.batches: dict[int, list[int]] = {}
+
+    def succeeded(self, *, rows: int, request_s: float, info: RunInfo) -> None:
+        request_ns, queue_ns = int(request_s * 1e9), int(info.queue_s * 1e9)
+        compute_ns = int(info.compute_s * 1e9)
+        with self._lock:
+            self.success[0] += 1
+            self.success[1] += request_ns
+            self.queue[0] += 1
+            self.queue[1] += queue_ns
+            self.compute_infer[0] += 1
+            self.compute_infer[1] += compute_ns
+            self.inference_count += rows
+            self.last_inference = int(time.time() * 1000)
+            if info.executions:
+                self.execution_count += info.executions
+                entry = self.batches.setdefault(info.batch, [0, 0])
+                entry[0] += 1
+                entry[1] += compute_ns
+
+    def failed(self, request_s: float) -> None:
+        with self._lock:
+            self.fail[0] += 1
+            self.fail[1] += int(request_s * 1e9)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"success": tuple(self.success), "fail": tuple(self.fail),
+                    "queue": tuple(self.queue), "compute_infer": tuple(self.compute_infer),
+                    "inference_count": self.inference_count,
+                    "execution_count": self.execution_count,
+                    "last_inference": self.last_inference,
+                    "batches": {size: tuple(v) for size, v in sorted(self.batches.items())}}
+
+
 @dataclass
 class ServedModel:
     """One loaded engine serving deployment ``name``."""
@@ -66,6 +121,30 @@ class ServedModel:
     choice: dict | None = None
     stats: LatencyStats = field(default_factory=LatencyStats)
     loaded_at: float = field(default_factory=time.time)
+    #: The deployment's dynamic-batching policy; ``None``: every request runs alone.
+    batching: BatchingPolicy | None = None
+    infer_stats: InferStats = field(default_factory=InferStats)
+
+    def __post_init__(self) -> None:
+        #: ``None`` without a policy, or for an engine whose first axis is not a dynamic
+        #: batch (the API refuses such a policy at deploy; an engine served below the exact
+        #: tier may still be one, and then it serves unbatched).
+        self.batcher = Batcher(self.executor, self.batching) \
+            if self.batching is not None and batchable(self.executor) else None
+
+    def infer(self, feed: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], RunInfo]:
+        """Run ``feed`` through the batcher, or alone; its outputs and how it ran."""
+        if self.batcher is not None:
+            return self.batcher.run(feed)
+        start = time.perf_counter()
+        outputs = self.executor.run(feed)
+        return outputs, RunInfo(compute_s=time.perf_counter() - start)
+
+    def with_batching(self, batching: BatchingPolicy | None) -> ServedModel:
+        """This engine under another batching policy, its statistics carried over."""
+        return ServedModel(self.name, self.executor, tier=self.tier, choice=self.choice,
+                           stats=self.stats, loaded_at=self.loaded_at, batching=batching,
+                           infer_stats=self.infer_stats)
 
     @property
     def manifest(self) -> ArtifactManifest:

@@ -10,13 +10,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from schemas._canonical import canonical_json, sha256_hex
 from schemas._versioned import parse_version, validate_versioned
-from schemas.deployments import LABEL_KEY_PATTERN
+from schemas.deployments import LABEL_KEY_PATTERN, BatchingPolicy
 from schemas.errors import ErrorBody
 from schemas.fingerprint import HardwareFingerprint
 
 #: The desired-state schema this Kiln writes (see ``schemas._versioned``).
 #: 1.1: ``DesiredModel.choice`` (why this engine; agents of 1.0 drop it).
-DESIRED_STATE_SCHEMA_VERSION = "1.1"
+#: 1.2: ``DesiredModel.batching`` (the deployment's dynamic batching; older agents drop it
+#: and serve every request alone).
+DESIRED_STATE_SCHEMA_VERSION = "1.2"
 
 AGENT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 #: A fingerprint key (it names a queue, ``build.<key>``) and a compatibility key.
@@ -208,6 +210,8 @@ class DesiredModel(BaseModel):
     #: Why this engine, when the control plane weighed several (one per backend it planned
     #: for the agent): schema 1.1.
     choice: EngineChoice | None = None
+    #: The deployment's dynamic-batching policy (schema 1.2); ``None``: no batching.
+    batching: BatchingPolicy | None = None
 
 
 class DesiredState(BaseModel):

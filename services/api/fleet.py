@@ -284,7 +284,7 @@ class Planner:
         desired = DesiredModel(
             deployment=deployment.name, deployment_id=deployment.id,
             generation=deployment.generation, model_id=model_id, options_digest=digest,
-            backend=backend, fingerprint_key=key,
+            backend=backend, fingerprint_key=key, batching=deployment.batching,
         )
         keys = {b: k for b, k in pairs}
         # One query for every backend's exact engine, one for the newest jobs of those without.

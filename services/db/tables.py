@@ -204,6 +204,8 @@ class DeploymentRow(Base):
     options_digest: Mapped[str] = mapped_column(sa.String(SHA256_LEN))
     selector: Mapped[dict[str, str]] = mapped_column(sa.JSON)
     generation: Mapped[int] = mapped_column(sa.Integer, default=1)
+    #: ``BatchingPolicy.model_dump(mode="json")``, or ``None``: no dynamic batching.
+    batching: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 

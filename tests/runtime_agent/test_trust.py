@@ -51,7 +51,7 @@ def test_desired_state_1_1_carries_the_engine_choice(built: Fixtures, tmp_path: 
     reads."""
     from schemas.agents import DESIRED_STATE_SCHEMA_VERSION
 
-    assert DESIRED_STATE_SCHEMA_VERSION == "1.1"
+    assert DESIRED_STATE_SCHEMA_VERSION == "1.2"
     trust = make(built, tmp_path)
     document = state(5, schema_version="1.1")
     document["models"][0]["choice"] = {

@@ -8,6 +8,7 @@ from pydantic import BaseModel
 from schemas.deployments import Deployment, DeploymentCreate
 from schemas.errors import Conflict, NotFound
 from schemas.rollouts import Rollout
+from services.api.batching import batching_options
 from services.api.deps import (
     AdminPrincipal,
     DeploymentName,
@@ -38,6 +39,8 @@ def apply_deployment(
 ) -> DeploymentApplied:
     spec = spec.model_copy(update={"model_id": repo.resolve_id(session, "model", spec.model_id)})
     model = repo.get_model(session, model_id=spec.model_id)
+    spec = spec.model_copy(update={"options": batching_options(model, spec.options,
+                                                               spec.batching)})
     repo.check_compile_datasets(session, model=model, options=spec.options)
     try:
         before = repo.get_deployment(session, name=spec.name)

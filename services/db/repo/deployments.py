@@ -7,7 +7,7 @@ import uuid
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from schemas.deployments import Deployment, DeploymentCreate
+from schemas.deployments import BatchingPolicy, Deployment, DeploymentCreate
 from schemas.errors import NotFound
 from schemas.options import CompileOptions
 from services.db.repo._common import _insert, _require_model
@@ -23,6 +23,7 @@ def _deployment(row: DeploymentRow) -> Deployment:
         options_digest=row.options_digest,
         selector=dict(row.selector),
         generation=row.generation,
+        batching=BatchingPolicy.model_validate(row.batching) if row.batching else None,
         created_at=row.created_at,
         updated_at=row.updated_at,
     )
@@ -30,11 +31,12 @@ def _deployment(row: DeploymentRow) -> Deployment:
 
 def apply_deployment(session: Session, *, spec: DeploymentCreate) -> tuple[Deployment, bool]:
     """Create deployment ``spec.name``, or update it (its generation increases when the model,
-    options or selector change). Returns (deployment, created). ``NotFound`` for an unknown
-    model."""
+    options, selector or batching policy change). Returns (deployment, created). ``NotFound``
+    for an unknown model."""
     _require_model(session, spec.model_id)
     now = utcnow()
     options = spec.options.model_dump(mode="json")
+    batching = spec.batching.model_dump(mode="json") if spec.batching else None
     stmt = sa.select(DeploymentRow).where(DeploymentRow.name == spec.name).with_for_update()
     row = session.scalars(stmt).one_or_none()
     if row is None:
@@ -42,7 +44,8 @@ def apply_deployment(session: Session, *, spec: DeploymentCreate) -> tuple[Deplo
             session,
             DeploymentRow(id=uuid.uuid4().hex, name=spec.name, model_id=spec.model_id,
                           options=options, options_digest=spec.options.digest(),
-                          selector=dict(spec.selector), generation=1, created_at=now,
+                          selector=dict(spec.selector), batching=batching, generation=1,
+                          created_at=now,
                           updated_at=now),
             lambda: session.scalars(
                 sa.select(DeploymentRow).where(DeploymentRow.name == spec.name)
@@ -50,13 +53,14 @@ def apply_deployment(session: Session, *, spec: DeploymentCreate) -> tuple[Deplo
         )
         if created:
             return _deployment(row), True
-    changed = (row.model_id, row.options_digest, row.selector) != (
-        spec.model_id, spec.options.digest(), dict(spec.selector))
+    changed = (row.model_id, row.options_digest, row.selector, row.batching) != (
+        spec.model_id, spec.options.digest(), dict(spec.selector), batching)
     if changed:
         row.model_id = spec.model_id
         row.options = options
         row.options_digest = spec.options.digest()
         row.selector = dict(spec.selector)
+        row.batching = batching
         row.generation += 1
         row.updated_at = now
         session.flush()

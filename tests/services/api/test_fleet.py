@@ -326,7 +326,7 @@ def test_a_torch_program_is_built_by_both_backends_and_the_agent_gets_the_faster
     # onnxruntime lands, faster: the agent moves to it, and the state says why.
     ort_id = _record(settings, model_id, KEY, "onnxruntime", p50_ms=0.2)
     state = beat(api, "edge-1")
-    assert state["schema_version"] == "1.1"
+    assert state["schema_version"] == "1.2"
     (desired,) = state["models"]
     assert (desired["artifact_id"], desired["backend"], desired["tier"]) == (
         ort_id, "onnxruntime", "exact")
