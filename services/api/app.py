@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from artifact_store import open_store
 from schemas.version import KILN_VERSION
+from services.api import metrics as api_metrics
 from services.api import threads
 from services.api.collector import FullCollections
 from services.api.desired import DesiredStateHub, Rechecker
@@ -200,5 +201,6 @@ def create_app(settings: KilnSettings | None = None, *, run_migrations: bool = T
                    deployments, fleet, plugins, tuning, tokens, trust, retention, rollouts):
         app.include_router(module.router)
     app.include_router(ui_router)
+    app.include_router(api_metrics.router)
     logger.info("API ready: store %s, database %s", settings.store_uri, engine.url.drivername)
     return app
