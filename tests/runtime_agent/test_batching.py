@@ -46,7 +46,7 @@ def _concurrently(model: ServedModel, feeds: list) -> list:
         barrier.wait()
         try:
             results[i] = inference.run(model, lambda: {"x": feeds[i]}, METRICS)
-        except Exception as exc:  # noqa: BLE001 - compared by the test
+        except Exception as exc:
             results[i] = exc
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(feeds))]
