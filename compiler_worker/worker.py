@@ -21,8 +21,9 @@ from compiler_worker.backends import available
 from compiler_worker.backends.base import PIPELINE_MODEL_FORMATS
 from compiler_worker.config import WorkerSettings, get_worker_settings
 from compiler_worker.jobs import JobRunner
-from schemas import HardwareFingerprint
+from schemas import CompileOptions, HardwareFingerprint, Precision
 from schemas.builds import WorkerHeartbeat
+from schemas.errors import KilnError
 from services.health import broker_probe, readiness
 from services.queue import celery_app, configure_celery, queue_for
 
@@ -43,6 +44,25 @@ def model_formats(fingerprint: HardwareFingerprint) -> dict[str, list[str]]:
     return {b.fingerprint_key(fingerprint): sorted(b.model_formats & PIPELINE_MODEL_FORMATS)
             for b in available()
             if b.supports(fingerprint) and b.model_formats & PIPELINE_MODEL_FORMATS}
+
+
+def precisions(fingerprint: HardwareFingerprint) -> dict[str, list[str]]:
+    """Fingerprint key → the precision policies its backend builds (``WorkerInfo.precisions``:
+    the control plane refuses a job asking a key for another, rather than queue one that
+    fails here)."""
+    found: dict[str, list[str]] = {}
+    for backend in available():
+        if not (backend.supports(fingerprint) and backend.model_formats & PIPELINE_MODEL_FORMATS):
+            continue
+        accepted = []
+        for precision in Precision:
+            try:
+                backend.check_options(CompileOptions(precision=precision))
+            except KilnError:
+                continue
+            accepted.append(precision.value)
+        found[backend.fingerprint_key(fingerprint)] = accepted
+    return found
 
 
 def portable_keys(fingerprint: HardwareFingerprint) -> dict[str, str]:
@@ -69,6 +89,7 @@ class Heartbeat:
         self.keys = keys
         self.portable = portable_keys(runner.fingerprint)
         self.formats = model_formats(runner.fingerprint)
+        self.precisions = precisions(runner.fingerprint)
         self.interval_s = runner.settings.worker_heartbeat_s
         self._stop = threading.Event()
         self._first_wait = self.interval_s
@@ -79,7 +100,8 @@ class Heartbeat:
         self.runner.builds.heartbeat(settings.worker_name, WorkerHeartbeat(
             instance=settings.instance, fingerprint_keys=self.keys,
             fingerprint=self.runner.fingerprint, portable_keys=self.portable,
-            model_formats=self.formats, heartbeat_s=self.interval_s, stopping=stopping))
+            model_formats=self.formats, precisions=self.precisions,
+            heartbeat_s=self.interval_s, stopping=stopping))
 
     def start(self) -> None:
         """Beat now and then every ``interval_s``. A first beat that fails (the API not up

@@ -13,6 +13,7 @@ from schemas.agents import FingerprintKey
 from schemas.fingerprint import HardwareFingerprint
 from schemas.jobs import CompileJob, JobStage
 from schemas.manifest import ArtifactManifest
+from schemas.options import Precision
 from schemas.tuning import TuningTable
 
 
@@ -140,5 +141,9 @@ class WorkerHeartbeat(BaseModel):
                                                                 max_length=64)
     model_formats: dict[FingerprintKey, list[Annotated[str, Field(max_length=50)]]] = Field(
         default_factory=dict, max_length=64)
+    #: Fingerprint key → the precision policies its backend builds (``WorkerInfo.precisions``);
+    #: a key left out is not constrained (a worker from before workers said).
+    precisions: dict[FingerprintKey, list[Precision]] = Field(default_factory=dict,
+                                                              max_length=64)
     heartbeat_s: float = Field(gt=0, le=86400)
     stopping: bool = False

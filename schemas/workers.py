@@ -26,6 +26,9 @@ class WorkerInfo(BaseModel):
     #: Fingerprint key → the model formats its backend builds (``onnx``, ``torch-export``):
     #: a compile job for a model of another format is refused for that key.
     model_formats: dict[str, list[str]] = {}
+    #: Fingerprint key → the precision policies its backend builds (``fp32``, ``auto``,
+    #: ``fp16``, ...): a compile job asking another precision of that key is refused.
+    precisions: dict[str, list[str]] = {}
     fingerprint: HardwareFingerprint
     started_at: datetime
     last_seen: datetime

@@ -181,6 +181,8 @@ class WorkerRow(Base):
     compatibility_keys: Mapped[dict[str, str] | None] = mapped_column(sa.JSON)
     #: Fingerprint key → the model formats built there (``WorkerInfo.model_formats``).
     model_formats: Mapped[dict[str, list[str]] | None] = mapped_column(sa.JSON)
+    #: Fingerprint key → the precisions built there (``WorkerInfo.precisions``).
+    precisions: Mapped[dict[str, list[str]] | None] = mapped_column(sa.JSON)
     #: ``HardwareFingerprint.model_dump(mode="json")``.
     fingerprint: Mapped[dict[str, Any]] = mapped_column(sa.JSON)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

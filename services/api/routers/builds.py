@@ -330,6 +330,7 @@ def worker_heartbeat(
         session, name=name, fingerprint_keys=beat.fingerprint_keys,
         fingerprint=beat.fingerprint, portable_keys=beat.portable_keys,
         model_formats=beat.model_formats, heartbeat_s=beat.heartbeat_s,
+        precisions={k: [p.value for p in v] for k, v in beat.precisions.items()},
         stopping=beat.stopping, instance=beat.instance)
     session.commit()
     return info

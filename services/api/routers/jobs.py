@@ -7,8 +7,9 @@ import os
 from pathlib import Path
 
 from fastapi import APIRouter, Request, Response, status
+from sqlalchemy.orm import Session
 
-from schemas import CompileJob, CompileJobCreate, JobStatus
+from schemas import CompileJob, CompileJobCreate, JobStatus, Precision
 from schemas.errors import ErrorBody, InvalidOptions
 from schemas.jobs import CompileJobBatch, task_id
 from services.api.deps import (
@@ -36,6 +37,24 @@ def _exit_if_fault_injected(trigger: Path | None) -> None:
         trigger.unlink(missing_ok=True)
         logger.error("fault injection: exiting between commit and enqueue (%s)", trigger)
         os._exit(70)
+def check_precision(session: Session, precision: Precision, keys: list[str]) -> None:
+    """422 when a targeted key's live workers build no engine of ``precision`` (their
+    heartbeats say which they build): queued, the job would fail on the worker. A key no live
+    worker reports precisions for is not judged (its job waits for hardware)."""
+    built = repo.live_worker_precisions(session)
+    refused = sorted(key for key in dict.fromkeys(keys)
+                     if key in built and precision.value not in built[key])
+    if not refused:
+        return
+    accepted = {key: sorted(built[key]) for key in refused}
+    others = sorted(key for key, names in built.items() if precision.value in names)
+    raise InvalidOptions(
+        f"precision {precision.value} cannot be built for {refused}: their workers build "
+        + "; ".join(f"{key}: {', '.join(names) or 'nothing'}" for key, names in accepted.items())
+        + f". Keys whose workers build {precision.value}: {others or 'none live'}",
+        precision=precision.value, refused=accepted, keys=others)
+
+
 router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"], route_class=Route)
 
 
@@ -59,6 +78,8 @@ def create_compile_jobs(
             f"{sorted(refused)} build {sorted({f for v in refused.values() for f in v})} "
             f"models. Keys whose workers take {model.format} models: {takes or 'none live'}",
             refused=refused, model_format=model.format, keys=takes)
+    check_precision(session, request.options.precision,
+                    [t.fingerprint_key for t in request.targets])
     jobs: list[CompileJob] = []
     to_enqueue: list[CompileJob] = []
     found_broken = False

@@ -41,6 +41,7 @@ def heartbeat_worker(
     fingerprint: HardwareFingerprint,
     portable_keys: dict[str, str] | None = None,
     model_formats: dict[str, list[str]] | None = None,
+    precisions: dict[str, list[str]] | None = None,
     heartbeat_s: float = DEFAULT_WORKER_HEARTBEAT_S,
     stopping: bool = False,
     instance: str | None = None,
@@ -59,6 +60,7 @@ def heartbeat_worker(
             WorkerRow(name=name, fingerprint_keys=fingerprint_keys,
                       compatibility_keys=dict(portable_keys or {}),
                       model_formats=dict(model_formats or {}),
+                      precisions=dict(precisions or {}),
                       fingerprint=fingerprint.model_dump(mode="json"), started_at=now,
                       last_seen=now, stopped=stopping, instance=instance),
             lambda: session.get(WorkerRow, name),
@@ -74,6 +76,7 @@ def heartbeat_worker(
     row.fingerprint_keys = fingerprint_keys
     row.compatibility_keys = dict(portable_keys or {})
     row.model_formats = dict(model_formats or {})
+    row.precisions = dict(precisions or {})
     row.fingerprint = fingerprint.model_dump(mode="json")
     row.last_seen = now
     row.stopped = stopping
@@ -123,6 +126,21 @@ def _live_workers_statement() -> sa.Select:
     table = WorkerRow.__table__
     return sa.select(table.c.fingerprint_keys, table.c.model_formats, table.c.last_seen,
                      table.c.heartbeat_s).where(sa.not_(table.c.stopped))
+
+
+def live_worker_precisions(session: Session) -> dict[str, set[str]]:
+    """Fingerprint key → the precisions live workers build under it (keys whose workers say
+    nothing about precisions are left out)."""
+    table = WorkerRow.__table__
+    found: dict[str, set[str]] = {}
+    now = utcnow()
+    rows = session.execute(sa.select(table.c.precisions, table.c.last_seen, table.c.heartbeat_s)
+                           .where(sa.not_(table.c.stopped)))
+    for precisions, last_seen, heartbeat_s in rows:
+        if now - last_seen < worker_ttl(heartbeat_s):
+            for key, names in (precisions or {}).items():
+                found.setdefault(key, set()).update(names)
+    return found
 
 
 def live_worker_keys(session: Session) -> set[str]:
@@ -247,6 +265,7 @@ def _worker(row: WorkerRow) -> WorkerInfo:
         fingerprint_keys=list(row.fingerprint_keys),
         portable_keys=dict(row.compatibility_keys or {}),
         model_formats={k: list(v) for k, v in (row.model_formats or {}).items()},
+        precisions={k: list(v) for k, v in (row.precisions or {}).items()},
         fingerprint=HardwareFingerprint.model_validate(row.fingerprint),
         started_at=row.started_at,
         last_seen=row.last_seen,
