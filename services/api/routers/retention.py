@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from schemas.retention import RetentionReport
-from services.api.deps import AdminPrincipal, StoreDep
+from services.api.deps import AdminPrincipal, Route, StoreDep
 from services.api.retention import retention_policy, run_retention
 
-router = APIRouter(prefix="/v1/gc", tags=["retention"])
+router = APIRouter(prefix="/v1/gc", tags=["retention"], route_class=Route)
 
 
 @router.post("", response_model=RetentionReport)
