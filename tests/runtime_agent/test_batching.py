@@ -182,3 +182,30 @@ def test_config_and_stats_over_grpc(table) -> None:
     finally:
         channel.close()
         server.stop()
+
+
+def test_the_agent_serves_the_desired_policy_and_follows_its_change(
+        tmp_path, control_plane, built: Fixtures) -> None:
+    from runtime_agent.agent import Agent
+    from runtime_agent.config import AgentSettings
+    from tests.runtime_agent.helpers import TOKEN, desired_model, free_port, wait_for
+
+    settings = AgentSettings(
+        api_url=control_plane.url, token=TOKEN, name="node-1", labels={"zone": "a"},
+        cache_dir=tmp_path / "cache", serve_port=free_port(),
+        trusted_keys=[built.keys.public], heartbeat_s=0.05, request_timeout_s=5)
+    artifact = control_plane.add(built.mlp_a)
+    control_plane.desired = [desired_model("mlp", artifact).model_copy(
+        update={"batching": POLICY})]
+    with Agent(settings) as agent:
+        wait_for(lambda: agent.models.find("mlp") is not None, what="serving")
+        first = agent.models.get("mlp")
+        assert first.batching == POLICY and first.batcher is not None
+        changed = POLICY.model_copy(update={"max_queue_delay_us": 0, "instances": 3})
+        control_plane.desired = [desired_model("mlp", artifact).model_copy(
+            update={"batching": changed})]
+        wait_for(lambda: agent.models.get("mlp").batching == changed, what="new policy")
+        second = agent.models.get("mlp")
+        assert second.executor is first.executor and second.infer_stats is first.infer_stats
+        control_plane.desired = [desired_model("mlp", artifact)]
+        wait_for(lambda: agent.models.get("mlp").batcher is None, what="no batching")
