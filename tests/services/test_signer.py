@@ -68,7 +68,7 @@ def test_the_api_answers_agents_with_signed_growing_expiring_desired_state(
     assert versions == sorted(set(versions))  # strictly growing
     for state in states:
         assert state["agent"] == "edge-1"
-        assert state["schema_version"] == DESIRED_STATE_SCHEMA_VERSION == "1.1"
+        assert state["schema_version"] == DESIRED_STATE_SCHEMA_VERSION == "1.2"
         expires = datetime.fromisoformat(state["expires"])
         assert timedelta(seconds=100) < expires - datetime.now(UTC) <= timedelta(seconds=120)
 
