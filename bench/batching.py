@@ -184,6 +184,16 @@ def main(args: argparse.Namespace) -> None:
                     statistics.median(r["p50"] for r in results[(protocol, "plain", 1)]))
             print(f"{protocol}: throughput at 16 clients, batched / plain = "
                   f"{batched / plain:.2f}; p50 of a lone client, batched / plain = {lone:.3f}")
+        # The agent's own statistics (Triton's route): rows per engine call, per model.
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/models/stats") as reply:
+            for entry in json.load(reply)["model_stats"]:
+                executions = max(entry["execution_count"], 1)
+                print(f"{entry['name']}: {entry['inference_count']} inferences in "
+                      f"{entry['execution_count']} engine calls (mean batch "
+                      f"{entry['inference_count'] / executions:.2f})")
     finally:
         if server.stdin:
             server.stdin.close()
