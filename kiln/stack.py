@@ -244,9 +244,13 @@ class EmbeddedStack:
         raise RuntimeError(f"the API did not answer on {self.api_url} within {timeout_s}s")
 
     def stop(self, timeout_s: float = 20) -> None:
+        """SIGTERM to each process, which stops its own children (a worker's pool, the API's
+        processes); the whole process group is killed only past ``timeout_s``. Signalled as a
+        group, a worker's pool processes died beside their parent, which logged each as an
+        ERROR ("exited with signal 15") on every normal stop."""
         for proc in self.processes:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for proc in self.processes:
             try:
