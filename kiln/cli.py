@@ -24,18 +24,21 @@ from rich.table import Table
 
 from kiln.client import KilnClient
 from kiln.exit_codes import EXIT_CODES, JOB_UNSUCCESSFUL, exit_code
-from kiln.ui import print_artifact, progress_wait, short_ids
+from kiln.output import dump, print_json, print_row, print_table, short_ids
+from kiln.ui import print_artifact, progress_wait
 from schemas import CompileOptions, JobStatus, Precision
 from schemas.errors import ErrorCode, KilnError
 from schemas.options import Portability, Tune
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+app = typer.Typer(no_args_is_help=True, add_completion=True, help=__doc__)
 console = Console()
 err = Console(stderr=True)
 
 ApiUrl = Annotated[str | None, typer.Option("--api", envvar="KILN_API_URL", help="API URL")]
 Token = Annotated[str | None, typer.Option("--token", envvar="KILN_TOKEN", help="bearer token")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON (full ids, every field)")]
+FullOpt = Annotated[bool, typer.Option(
+    "--full", help="print ids whole (default: the shortest unique prefix)")]
 
 
 def _logging(level: str = "INFO") -> None:
@@ -322,6 +325,9 @@ def up(
     console.print(f"  dashboard: {stack.api_url}/ui  (sign in with a token from "
                   f"`kiln token create --role reader`, or with the admin token in "
                   f"{stack.home / CLIENT_FILE})")
+    if agent_labels is not None:
+        console.print(f"  agent: {stack.agent_url}  (labels {agent_labels}; Open Inference "
+                      f"Protocol at {stack.agent_url}/v2, metrics at {stack.agent_url}/metrics)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         while all(p.poll() is None for p in stack.processes):
@@ -585,7 +591,7 @@ def config_(
         table.columns[1].overflow = "fold"  # a value is never cut short
         for row in rows:
             table.add_row(row["name"], row["value"], row["source"])
-        console.print(table)
+        print_table(console, table)
     for name, close in unknown.items():
         err.print(f"[yellow]unknown variable[/] {name}: read by no setting"
                   + (f" (did you mean {' or '.join(close)}?)" if close else ""))
@@ -621,11 +627,13 @@ def submit(
     samples: SamplesOpt = None,
     calibration: CalibrationOpt = None,
     timeout: Annotated[float, typer.Option(help="seconds to wait")] = 1800,
+    as_json: JsonOpt = False,
     api_url: ApiUrl = None,
     token_: Token = None,
 ) -> None:
     """Upload MODEL.onnx (with the external data files it references, beside it) and queue a
-    compile job per target (default: every live worker key)."""
+    compile job per target (default: every live worker key). Prints the model and its jobs
+    (with --wait, each job's artifact); --json prints them as JSON."""
     options = _options(precision, opt_level, atol, rtol, options_file, tune, portability)
     with _client(api_url, token_) as client:
         info = client.upload_model(model, name=name)
@@ -635,22 +643,21 @@ def submit(
         for job in jobs:
             err.print(f"job {job.id} → {job.fingerprint_key}: {job.status.value}"
                       + (" (cache hit)" if job.cache_hit else ""))
-        if not wait:
-            return
-        finished = progress_wait(client, jobs, timeout, console=err)
-        for job in finished:
-            print_artifact(client, job, console=console, err=err)
-        if any(j.status is not JobStatus.SUCCEEDED for j in finished):
+        finished = progress_wait(client, jobs, timeout, console=err) if wait else jobs
+        if as_json:
+            _print_json({"model": info.model_dump(mode="json"), "jobs": _dump(finished)})
+        elif wait:
+            for job in finished:
+                print_artifact(client, job, console=console, err=err)
+        else:
+            for job in jobs:  # one line per job for a script: job id, key, status
+                print_row(job.id, job.fingerprint_key, job.status.value)
+        if wait and any(j.status is not JobStatus.SUCCEEDED for j in finished):
             raise typer.Exit(1)
 
 
-def _print_json(data: object) -> None:
-    """JSON on stdout, whole: never wrapped, never coloured (a script parses it)."""
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
-
-
-def _dump(rows: list) -> list[dict]:
-    return [r.model_dump(mode="json") if hasattr(r, "model_dump") else r for r in rows]
+_print_json = print_json
+_dump = dump
 
 
 jobs_app = typer.Typer(help="Compile jobs: list (default), show, cancel, retry.",
@@ -664,7 +671,7 @@ def jobs(
     model_id: Annotated[str | None, typer.Option("--model", help="a model id or prefix")] = None,
     status: Annotated[JobStatus | None, typer.Option()] = None,
     limit: int = 50,
-    as_json: JsonOpt = False,
+    as_json: JsonOpt = False, full: FullOpt = False,
     api_url: ApiUrl = None,
     token_: Token = None,
 ) -> None:
@@ -676,9 +683,9 @@ def jobs(
     if as_json:
         _print_json(_dump(rows))
         return
-    ids = short_ids([j.id for j in rows], console)
-    models = short_ids([j.model_id for j in rows], console)
-    arts = short_ids([j.artifact_id for j in rows if j.artifact_id], console)
+    ids = short_ids([j.id for j in rows], console, full=full)
+    models = short_ids([j.model_id for j in rows], console, full=full)
+    arts = short_ids([j.artifact_id for j in rows if j.artifact_id], console, full=full)
     table = Table()
     for col in ("job", "model", "fingerprint key", "status", "stage", "artifact", "error"):
         table.add_column(col, overflow="fold")
@@ -686,7 +693,7 @@ def jobs(
         table.add_row(ids(j.id), models(j.model_id), j.fingerprint_key, j.status.value,
                       j.stage.value, arts(j.artifact_id) + (" (hit)" if j.cache_hit else ""),
                       j.error.code if j.error else "")
-    console.print(table)
+    print_table(console, table)
 
 
 def _show_job(job, as_json: bool) -> None:
@@ -702,7 +709,7 @@ def _show_job(job, as_json: bool) -> None:
         table.add_row(field, "" if value is None else str(getattr(value, "value", value)))
     if job.error is not None:
         table.add_row("error", f"{job.error.code}: {job.error.message}")
-    console.print(table)
+    print_table(console, table)
 
 
 @jobs_app.command("show")
@@ -792,7 +799,7 @@ def artifacts(
     model_id: Annotated[str | None, typer.Option("--model", help="a model id or prefix")] = None,
     fingerprint: Annotated[str | None, typer.Option("--fingerprint")] = None,
     state: Annotated[str | None, typer.Option(help="ready or broken")] = None,
-    as_json: JsonOpt = False,
+    as_json: JsonOpt = False, full: FullOpt = False,
     limit: int = 50,
     api_url: ApiUrl = None,
     token_: Token = None,
@@ -806,8 +813,8 @@ def artifacts(
     if as_json:
         _print_json(_dump(rows))
         return
-    ids = short_ids([a.id for a in rows], console)
-    models = short_ids([a.model_id for a in rows], console)
+    ids = short_ids([a.id for a in rows], console, full=full)
+    models = short_ids([a.model_id for a in rows], console, full=full)
     table = Table()
     for col in ("artifact", "model", "fingerprint key", "backend", "state", "size",
                 "max abs err", "p50 ms"):
@@ -816,7 +823,7 @@ def artifacts(
         table.add_row(ids(a.id), models(a.model_id), a.fingerprint_key, a.backend,
                       a.state + (f": {a.broken_reason}" if a.broken_reason else ""),
                       str(a.size_bytes), f"{a.max_abs_error:.2g}", f"{a.p50_ms:.3f}")
-    console.print(table)
+    print_table(console, table)
 
 
 @artifacts_app.command("show")
@@ -838,7 +845,7 @@ def artifacts_show(
         table.add_row(field, "" if a.get(field) is None else str(a[field]))
     table.add_row("blobs", "\n".join(f"{b['name']} {b['sha256']} {b['size']} B"
                                       for b in m["blobs"]))
-    console.print(table)
+    print_table(console, table)
 
 
 @artifacts_app.command("rm")
@@ -863,7 +870,7 @@ def artifacts_rm(
 def gc(
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="only list what the retention policy would delete")] = False,
-    as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = None,
+    as_json: JsonOpt = False, full: FullOpt = False, api_url: ApiUrl = None, token_: Token = None,
 ) -> None:
     """Apply the retention policy: delete artifacts past the newest
     KILN_RETENTION_KEEP_PER_KEY per (model, fingerprint key) that no deployment or agent uses,
@@ -874,14 +881,14 @@ def gc(
         _print_json(report.model_dump(mode="json"))
         return
     if report.artifacts:
-        ids = short_ids([a.id for a in report.artifacts], console)
+        ids = short_ids([a.id for a in report.artifacts], console, full=full)
         table = Table(title="artifacts " + ("to delete" if dry_run else "deleted"))
         for col in ("artifact", "fingerprint key", "size", "created", "why"):
             table.add_column(col, overflow="fold")
         for a in report.artifacts:
             table.add_row(ids(a.id), a.fingerprint_key, str(a.size_bytes),
                           f"{a.created_at:%Y-%m-%d %H:%M}", a.reason)
-        console.print(table)
+        print_table(console, table)
     verb = "would delete" if dry_run else "deleted"
     err.print(f"{verb} {len(report.artifacts)} artifacts and {len(report.blobs)} blobs "
               f"({report.freed_bytes} bytes), {report.jobs} finished jobs, "
@@ -909,10 +916,14 @@ def deploy(
     name: Annotated[str, typer.Option(help="deployment name = the name agents serve it as")],
     selector: Annotated[list[str] | None, typer.Option(
         "--selector", "-l", help="label key=value an agent must have; repeatable")] = None,
-    precision: PrecisionOpt = Precision.FP32,
+    precision: Annotated[Precision | None, typer.Option(
+        "--precision", help="as `kiln submit --precision` (default, with no other option "
+        "given: the options of the model's latest build, so its engine is served as built)")]
+    = None,
     opt_level: LevelOpt = None,
-    tune: TuneOpt = Tune.AUTO,
-    portability: PortabilityOpt = Portability.EXACT,
+    tune: Annotated[Tune | None, typer.Option("--tune", help="as `kiln submit --tune`")] = None,
+    portability: Annotated[Portability | None, typer.Option(
+        "--portability", help="as `kiln submit --portability`")] = None,
     atol: AtolOpt = None,
     rtol: RtolOpt = None,
     options_file: OptionsFile = None,
@@ -927,25 +938,67 @@ def deploy(
     on_halt: Annotated[str, typer.Option(help=(
         "when a cohort halts, the others: continue, halt_others or rollback_all"))]
     = "continue",
+    wait: Annotated[bool, typer.Option(
+        "--wait", help="wait until every live agent it selects serves its engine")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait")] = 1800,
+    as_json: JsonOpt = False,
     api_url: ApiUrl = None,
     token_: Token = None,
 ) -> None:
     """Create or update a deployment: the agents whose labels match serve the model. With
-    --stages, a change of model or options rolls out stage by stage behind gates."""
-    options = _options(precision, opt_level, atol, rtol, options_file, tune, portability)
+    --stages, a change of model or options rolls out stage by stage behind gates. Without
+    compile options, the deployment asks for those of the model's latest build."""
+    from kiln.client import DeploymentApplied, DeploymentHandle
+
     rollout = None
     if stages is not None:
         rollout = {"stages": [s.strip() for s in stages.split(",")], "soak_s": soak_s,
                    "gates": [{"name": g} for g in (gate or ["golden"])], "on_halt": on_halt}
+    given = (precision, opt_level, tune, portability, atol, rtol, options_file)
     with _client(api_url, token_) as client:
-        applied = client.deploy(name, model_id, selector=_parse_selector(selector),
-                                options=options, rollout=rollout)
-    d = applied["deployment"]
-    console.print(f"deployment {d['name']} (generation {d['generation']}) → model "
-                  f"{d['model_id']}, selector {d['selector'] or 'every agent'}; "
-                  f"builds queued: {len(applied['build_jobs'])}")
-    if applied.get("rollout"):
-        console.print(f"rollout {applied['rollout']['id']} started (`kiln rollouts`)")
+        built = None if any(v is not None for v in given) else client.built_options(model_id)
+        if built is not None:
+            options, origin = built, "those of the model's latest build"
+        else:
+            options = _options(precision or Precision.FP32, opt_level, atol, rtol, options_file,
+                               tune or Tune.AUTO, portability or Portability.EXACT)
+            origin = "as given" if any(v is not None for v in given) else \
+                "the defaults (the model has no successful build yet)"
+        applied = DeploymentApplied.model_validate(client.deploy(
+            name, model_id, selector=_parse_selector(selector), options=options,
+            rollout=rollout))
+        d = applied.deployment
+        err.print(f"deployment {d.name} (generation {d.generation}) → model {d.model_id}, "
+                  f"selector {d.selector or 'every agent'}; options {origin}: precision "
+                  f"{d.options.precision.value}, tune {d.options.tune.value} (digest "
+                  f"{d.options_digest[:12]})", highlight=False)
+        if applied.build_jobs:
+            err.print(f"[yellow]queued {len(applied.build_jobs)} build(s)[/]: the agents it "
+                      f"selects have no engine of model {d.model_id[:12]} with these options "
+                      f"for their hardware: jobs {', '.join(applied.build_jobs)}"
+                      + ("" if built is not None or origin == "as given" else
+                         "; pass --precision etc. to deploy an engine built otherwise"),
+                      highlight=False)
+        if applied.rollout is not None:
+            err.print(f"rollout {applied.rollout.id} started (`kiln rollouts`)")
+        agents = None
+        if wait:
+            handle = DeploymentHandle(client, applied)
+            with err.status("waiting for the builds and the selected agents") as status:
+                def update(rows) -> None:
+                    ready = sum(1 for r in rows if r.ready)
+                    status.update(f"{ready}/{len(rows)} selected agents serve {d.name}")
+
+                agents = handle.wait(timeout, on_update=update)
+    if as_json:
+        body = applied.model_dump(mode="json")
+        if agents is not None:
+            body["agents"] = _dump(agents)
+        _print_json(body)
+        return
+    print_row(d.name, d.generation, d.model_id, ",".join(applied.build_jobs) or "-")
+    for agent in agents or []:
+        print_row(agent.agent, agent.state, agent.artifact_id, agent.tier)
 
 
 @app.command()
@@ -973,7 +1026,7 @@ def rollouts(as_json: JsonOpt = False, active: Annotated[bool, typer.Option(
                           f"({share}) {c['state']}", f"{len(c['admitted'])}/{c['agents']}",
                           c.get("halt_reason") or (r.get("reason") or ""))
             head = ["", "", "", ""]
-    console.print(table)
+    print_table(console, table)
 
 
 class RolloutAction(StrEnum):
@@ -997,7 +1050,7 @@ def rollout(
 
 
 @app.command()
-def deployments(as_json: JsonOpt = False, api_url: ApiUrl = None,
+def deployments(as_json: JsonOpt = False, full: FullOpt = False, api_url: ApiUrl = None,
                 token_: Token = None) -> None:
     """List deployments."""
     with _client(api_url, token_) as client:
@@ -1005,8 +1058,8 @@ def deployments(as_json: JsonOpt = False, api_url: ApiUrl = None,
     if as_json:
         _print_json(rows)
         return
-    models = short_ids([d["model_id"] for d in rows], console)
-    digests = short_ids([d["options_digest"] for d in rows], console)
+    models = short_ids([d["model_id"] for d in rows], console, full=full)
+    digests = short_ids([d["options_digest"] for d in rows], console, full=full)
     table = Table()
     for col in ("name", "model", "selector", "generation", "options digest"):
         table.add_column(col, overflow="fold")
@@ -1014,11 +1067,12 @@ def deployments(as_json: JsonOpt = False, api_url: ApiUrl = None,
         selector = ",".join(f"{k}={v}" for k, v in d["selector"].items()) or "*"
         table.add_row(d["name"], models(d["model_id"]), selector, str(d["generation"]),
                       digests(d["options_digest"]))
-    console.print(table)
+    print_table(console, table)
 
 
 @app.command()
-def agents(as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = None) -> None:
+def agents(as_json: JsonOpt = False, full: FullOpt = False, api_url: ApiUrl = None,
+           token_: Token = None) -> None:
     """List runtime agents: labels, fingerprint keys, last heartbeat, what each serves."""
     with _client(api_url, token_) as client:
         rows = client.list_agents()
@@ -1026,7 +1080,7 @@ def agents(as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = Non
         _print_json(rows)
         return
     arts = short_ids([m["artifact_id"] for a in rows for m in a["models"]
-                      if m.get("artifact_id")], console)
+                      if m.get("artifact_id")], console, full=full)
     table = Table()
     for col in ("agent", "alive", "labels", "fingerprint keys", "last seen", "models"):
         table.add_column(col, overflow="fold")
@@ -1046,7 +1100,7 @@ def agents(as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = Non
             models += f" [refused desired state: {trust['refused']['code']}]"
         table.add_row(a["name"], alive, labels,
                       ", ".join(a["fingerprint_keys"].values()), a["last_seen"][:19], models)
-    console.print(table)
+    print_table(console, table)
 
 
 @app.command()
@@ -1064,7 +1118,7 @@ def workers(as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = No
     for w in rows:
         table.add_row(w["name"], w["state"], "\n".join(w["fingerprint_keys"]),
                       w["last_seen"][:19], w["started_at"][:19])
-    console.print(table)
+    print_table(console, table)
 
 
 @app.command()
@@ -1082,7 +1136,7 @@ def fleet(as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = None
     for k in summary["keys"]:
         keys.add_row(k["fingerprint_key"], k["backend"], f"{k['agents']} ({k['alive_agents']})",
                      str(k["workers"]) if k["workers"] else "0: builds wait for hardware")
-    console.print(keys)
+    print_table(console, keys)
     coverage = Table(title="deployments")
     for col in ("deployment", "exact", "compatible / fallback", "nothing yet"):
         coverage.add_column(col)
@@ -1096,7 +1150,7 @@ def fleet(as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = None
                       for k in by_tier.get(t, [])),
             "\n".join(by_tier.get("none", [])),
         )
-    console.print(coverage)
+    print_table(console, coverage)
 
 
 keys_app = typer.Typer(no_args_is_help=True, help=(
@@ -1222,14 +1276,15 @@ def plugin_push(
 
 
 @app.command()
-def plugins(as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = None) -> None:
+def plugins(as_json: JsonOpt = False, full: FullOpt = False, api_url: ApiUrl = None,
+            token_: Token = None) -> None:
     """List registered custom-op plugins."""
     with _client(api_url, token_) as client:
         rows = client.list_plugins()
     if as_json:
         _print_json(rows)
         return
-    digests = short_ids([p["digest"] for p in rows], console)
+    digests = short_ids([p["digest"] for p in rows], console, full=full)
     table = Table()
     for col in ("plugin", "version", "ops", "implementations", "sha256"):
         table.add_column(col, overflow="fold")
@@ -1237,7 +1292,7 @@ def plugins(as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = No
         impls = ", ".join(f"{i['backend']}/{i['device']} ({i['kind']})"
                           for i in p["manifest"]["implementations"])
         table.add_row(p["name"], p["version"], ", ".join(p["ops"]), impls, digests(p["digest"]))
-    console.print(table)
+    print_table(console, table)
 
 
 dataset_app = typer.Typer(no_args_is_help=True, help="Datasets of sample inputs (.npz).")
@@ -1261,15 +1316,15 @@ def dataset_push(
 
 
 @app.command()
-def datasets(limit: int = 50, as_json: JsonOpt = False, api_url: ApiUrl = None,
-             token_: Token = None) -> None:
+def datasets(limit: int = 50, as_json: JsonOpt = False, full: FullOpt = False,
+             api_url: ApiUrl = None, token_: Token = None) -> None:
     """List uploaded datasets, newest first."""
     with _client(api_url, token_) as client:
         rows = client.list_datasets(limit=limit)
     if as_json:
         _print_json(_dump(rows))
         return
-    ids = short_ids([d.id for d in rows], console)
+    ids = short_ids([d.id for d in rows], console, full=full)
     table = Table()
     for col in ("dataset", "samples", "arrays", "bytes", "uploaded"):
         table.add_column(col, overflow="fold")
@@ -1277,7 +1332,7 @@ def datasets(limit: int = 50, as_json: JsonOpt = False, api_url: ApiUrl = None,
         arrays = ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in d.tensors)
         table.add_row(ids(d.id), str(d.samples), arrays, str(d.size_bytes),
                       d.created_at.strftime("%Y-%m-%d %H:%M:%S"))
-    console.print(table)
+    print_table(console, table)
 
 
 @app.command()
@@ -1299,7 +1354,7 @@ def tuning(
     if not tables:
         err.print(f"no tuning records for {artifact_or_model}")
     for table in tables:
-        console.print(tuning_table(table))
+        print_table(console, tuning_table(table))
 
 
 @app.command()
@@ -1461,7 +1516,7 @@ def run(
         stats = [f"{value.min():.4g}", f"{value.max():.4g}", f"{value.mean():.4g}"] \
             if numeric else ["", "", ""]
         table.add_row(key, str(value.dtype), str(list(value.shape)), *stats)
-    console.print(table)
+    print_table(console, table)
 
 
 @app.command("exit-codes")

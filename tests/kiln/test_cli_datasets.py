@@ -99,7 +99,10 @@ def test_cli_dataset_push_and_list(live_api: LiveApi, tmp_path: Path,
     assert digest in pushed.output and "2 samples" in pushed.output
     listed = runner.invoke(app, ["datasets"])
     assert listed.exit_code == 0, listed.output
-    assert digest[:16] in listed.output and "image float32[2, 1, 3, 32, 32]" in listed.output
+    # Piped: tab-separated, the id cut to a short unique prefix; whole with --full.
+    assert f"\n{digest[:12]}\t2\timage float32[2, 1, 3, 32, 32]\t" in listed.output
+    assert digest not in listed.output
+    assert f"\n{digest}\t" in runner.invoke(app, ["datasets", "--full"]).output
     bad = runner.invoke(app, ["dataset", "push", str(tmp_path / "missing.npz")])
     assert bad.exit_code == 2
 

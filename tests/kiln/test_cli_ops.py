@@ -103,8 +103,12 @@ def test_jobs_json_full_ids_prefixes_cancel_and_retry(api: Api) -> None:
     listed = api.kiln("jobs", "--json")
     assert listed.returncode == 0, listed.stderr
     assert [j["id"] for j in json.loads(listed.stdout)] == [job["id"]]
-    table = api.kiln("jobs")  # not a terminal: ids are printed whole
-    assert job["id"] in table.stdout and model_id in table.stdout
+    table = api.kiln("jobs")  # not a terminal: tab-separated, ids cut to a unique prefix
+    header, row = table.stdout.splitlines()
+    assert header.split("\t")[:2] == ["job", "model"]
+    assert row.split("\t")[:3] == [job["id"][:12], model_id[:12], KEY]
+    full = api.kiln("jobs", "--full")  # whole ids
+    assert full.stdout.splitlines()[1].split("\t")[:2] == [job["id"], model_id]
 
     shown = api.kiln("jobs", "show", job["id"][:6], "--json")
     assert json.loads(shown.stdout)["id"] == job["id"]
@@ -247,7 +251,7 @@ def test_gc_dry_run_then_real_pass(tmp_path: Path) -> None:
 
         table = live.kiln("gc")
         assert table.returncode == 0, table.stderr
-        assert older in table.stdout and "deleted 1 artifacts" in table.stderr
+        assert f"\n{older[:12]}\t" in table.stdout and "deleted 1 artifacts" in table.stderr
         assert [a["id"] for a in json.loads(live.kiln("artifacts", "--json").stdout)] == [newer]
     finally:
         live.stop()

@@ -110,3 +110,45 @@ def test_wait_on_a_job_no_worker_builds_raises_a_typed_timeout(up: Up) -> None:
         with pytest.raises(kiln.KilnError) as caught:
             job.wait(timeout_s=2)
         assert caught.value.code.value == "timed_out"
+
+
+def kiln(up: Up, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], cwd=ROOT, env=up.env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_the_cli_for_scripts_submit_and_deploy_json_and_wait(up: Up, tmp_path: Path) -> None:
+    """`kiln submit --json`, then `kiln deploy --wait --json` of the model as it was built
+    (precision auto): the deployment asks for those options, so no rebuild is queued, and it
+    returns once the agent serves that engine."""
+    from kiln.examples import mlp
+
+    model = tmp_path / "m.onnx"
+    model.write_bytes(mlp(seed=11).SerializeToString())
+    submitted = kiln(up, "submit", str(model), "--precision", "auto", "--tune", "off",
+                     "--wait", "--json")
+    assert submitted.returncode == 0, submitted.stderr
+    body = json.loads(submitted.stdout)
+    (job,) = body["jobs"]
+    assert job["status"] == "succeeded" and job["options"]["precision"] == "auto"
+
+    deployed = kiln(up, "deploy", body["model"]["id"][:12], "--name", "scripted",
+                    "-l", "site=a", "--wait", "--timeout", "300", "--json")
+    assert deployed.returncode == 0, deployed.stderr
+    applied = json.loads(deployed.stdout)
+    assert applied["build_jobs"] == [], deployed.stderr
+    assert applied["deployment"]["options"]["precision"] == "auto"
+    assert "options those of the model's latest build: precision auto" in deployed.stderr
+    (agent,) = applied["agents"]
+    assert agent["agent"] == "local-agent" and agent["ready"]
+    assert agent["artifact_id"] == job["artifact_id"]
+
+    # Asked for other options, it says what it queues and why.
+    other = kiln(up, "deploy", body["model"]["id"], "--name", "scripted-fp32", "-l",
+                 "site=a", "--precision", "fp32", "--tune", "off")
+    assert other.returncode == 0, other.stderr
+    assert "queued 1 build(s)" in other.stderr and "have no engine of model" in other.stderr
+    name, generation, model_id, jobs = other.stdout.strip().split("\t")
+    assert (name, generation, model_id) == ("scripted-fp32", "1", body["model"]["id"])
+    assert len(jobs) == 32
+
