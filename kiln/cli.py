@@ -424,12 +424,16 @@ def token_create(
 def token_revoke(
     jti: Annotated[str, typer.Argument(help="the token's id (its jti claim)")],
     reason: Annotated[str, typer.Option(help="why, for the record")] = "",
+    as_json: JsonOpt = False,
     api_url: ApiUrl = None,
     token_: Token = None,
 ) -> None:
     """Revoke a token by its id: from now on the API answers it 401."""
     with _client(api_url, token_) as client:
         result = client.revoke_token(jti, reason=reason)
+    if as_json:
+        _print_json(result)
+        return
     state = "revoked" if result["newly_revoked"] else "was already revoked"
     console.print(f"token {result['jti']} {state}")
 
@@ -1040,12 +1044,15 @@ def rollout(
     action: Annotated[RolloutAction, typer.Argument(help="pause, resume or abort")],
     ref: Annotated[str, typer.Argument(help="rollout id, or a deployment name (its newest "
                                             "rollout)")],
-    api_url: ApiUrl = None, token_: Token = None,
+    as_json: JsonOpt = False, api_url: ApiUrl = None, token_: Token = None,
 ) -> None:
     """Pause a rollout (no stage advances; failing gates still halt), resume it, or abort
     it (the deployment goes back to the model it had before, on every agent)."""
     with _client(api_url, token_) as client:
         r = client.rollout_action(ref, action.value)
+    if as_json:
+        _print_json(r)
+        return
     console.print(f"rollout {r['id']} of {r['deployment']}: {r['state']}")
 
 
@@ -1237,6 +1244,7 @@ def plugin_build(
                                            help="a folder with plugin.json")],
     out: Annotated[Path | None, typer.Option(help="archive to write (default: "
                                              "NAME-VERSION.tar beside the folder)")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Validate a plugin folder and pack it into a content-addressed bundle archive."""
     from artifact_store.bundles import MANIFEST_NAME, pack_bundle, read_bundle
@@ -1249,6 +1257,11 @@ def plugin_build(
     manifest, digest = pack_bundle(folder, out or folder.resolve().parent / "plugin.tar")
     target = out or folder.resolve().parent / "plugin.tar"
     read_bundle(target)  # what the API will check, checked here first
+    if as_json:
+        _print_json({"archive": str(target), "name": manifest.name,
+                     "version": manifest.version, "digest": digest,
+                     "ops": [op.qualified_name for op in manifest.ops]})
+        return
     console.print(f"built {target}: plugin {manifest.name} {manifest.version}, ops "
                   f"{[op.qualified_name for op in manifest.ops]}, sha256 {digest}")
 
@@ -1257,6 +1270,7 @@ def plugin_build(
 def plugin_push(
     bundle: Annotated[Path, typer.Argument(exists=True, help="a bundle archive, or a plugin "
                                                              "folder to build first")],
+    as_json: JsonOpt = False,
     api_url: ApiUrl = None,
     token_: Token = None,
 ) -> None:
@@ -1271,6 +1285,9 @@ def plugin_push(
             archive = Path(tmp) / "bundle.tar"
             pack_bundle(bundle, archive)
         info = client.push_plugin(archive)
+    if as_json:
+        _print_json(info)
+        return
     console.print(f"plugin {info['name']} {info['version']} registered: sha256 "
                   f"{info['digest']}, ops {info['ops']}")
 
@@ -1304,12 +1321,16 @@ def dataset_push(
     file: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help=(
         "an .npz (numpy.savez): one array per model input, named like it; the first axis is "
         "the sample index and sample i = array[i] has the input's full shape"))],
+    as_json: JsonOpt = False,
     api_url: ApiUrl = None,
     token_: Token = None,
 ) -> None:
     """Upload a dataset; prints its id, to use as options.samples or options.calibration."""
     with _client(api_url, token_) as client:
         info = client.push_dataset(file)
+    if as_json:
+        _print_json(info.model_dump(mode="json"))
+        return
     err.print(f"dataset: {info.samples} samples, {info.size_bytes} bytes, arrays "
               + ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in info.tensors))
     console.print(info.id)
@@ -1405,6 +1426,7 @@ def compile(
     calibration: Annotated[Path | None, typer.Option(
         "--calibration", exists=True, dir_okay=False,
         help="an .npz of representative inputs for static int8 calibration")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the manifest as JSON")] = False,
 ) -> None:
     """Compile MODEL.onnx (with the external data files it references, beside it) or a
     torch.export archive (MODEL.pt2) for this machine in-process (no services); write the
@@ -1448,6 +1470,9 @@ def compile(
         from kiln.ui import tuning_table
 
         err.print(tuning_table(m.tuning))
+    if as_json:
+        _print_json({"path": str(path), "manifest": m.model_dump(mode="json")})
+        return
     console.print(f"wrote {path}: {m.backend} {m.precision} for {m.fingerprint_key}; "
                   f"verification max abs {m.verification.max_abs_error:.3g}; "
                   f"p50 {m.benchmark.p50_ms:.3f} ms")
