@@ -67,10 +67,15 @@ def table_lines(table: Table) -> list[str]:
 
 
 def print_table(console: Console, table: Table) -> None:
-    """Drawn on a terminal; tab-separated lines anywhere else."""
+    """Drawn on a terminal; tab-separated lines anywhere else, the table's title and caption
+    (what it is, how it was measured) on stderr, so that stdout holds only the rows."""
     if console.is_terminal:
         console.print(table)
         return
+    for note in (table.title, table.caption):
+        if note:
+            sys.stderr.write(_plain(note) + "\n")
+    sys.stderr.flush()
     console.file.write("\n".join(table_lines(table)) + "\n")
     console.file.flush()
 
