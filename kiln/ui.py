@@ -9,6 +9,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kiln.client import KilnClient
+from kiln.output import print_table
 from schemas import CompileJob, JobStatus
 from schemas.errors import KilnError
 from schemas.tuning import CandidateOutcome, TuningTable
@@ -90,7 +91,7 @@ def print_artifact(client: KilnClient, job: CompileJob, *, console: Console, err
     ]
     for row in rows:
         table.add_row(*row)
-    console.print(table)
+    print_table(console, table)
 
 
 def _figure(value: float | None, digits: str = ".3f") -> str:
