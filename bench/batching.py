@@ -1,7 +1,8 @@
 """Dynamic batching through unmodified perf_analyzer, against the agent's inference server.
 
-One engine (ResNet-50 on CPU by default, as ``bench/serving.py`` builds it; ``--mlp`` for the
-small MLP, a quick smoke run) served twice by the agent's REST and gRPC servers in a child
+One engine (ResNet-50 on CPU by default, exported as ``bench/serving.py`` exports it, its
+batch axis then made dynamic: ``dynamic_batch``; ``--mlp`` for the small MLP, a quick smoke
+run) served twice by the agent's REST and gRPC servers in a child
 process: as ``plain`` (every request alone) and as ``batched`` (a batching policy: maximum
 batch 16, queue delay ``--delay-us``, ``--instances`` engine instances). perf_analyzer runs
 against each over HTTP and gRPC at concurrency 1, 4 and 16; the table gives throughput and
@@ -123,9 +124,33 @@ def lone_client_overhead(artifact: Path, feed: dict[str, np.ndarray], calls: int
           f"(ratio {p['batched'][1] / p['plain'][1]:.3f})")
 
 
+def dynamic_batch(path: Path) -> bytes:
+    """The exported model (batch 1) with a dynamic batch axis: the first dimension of every
+    input and output named ``N``, and each Reshape to a constant shape that starts with 1
+    (ResNet-50's flatten before its classifier, ``[1, 2048]``) made ``-1``. The exporter
+    traces one batch size; the graph's other operators take any."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    for value in (*model.graph.input, *model.graph.output):
+        dim = value.type.tensor_type.shape.dim[0]
+        dim.ClearField("dim_value")
+        dim.dim_param = "N"
+    del model.graph.value_info[:]
+    initializers = {tensor.name: tensor for tensor in model.graph.initializer}
+    for node in model.graph.node:
+        target = initializers.get(node.input[1]) if node.op_type == "Reshape" else None
+        if target is not None:
+            shape = numpy_helper.to_array(target).copy()
+            if shape.size and shape[0] == 1:
+                shape[0] = -1
+                target.CopyFrom(numpy_helper.from_array(shape, target.name))
+    return model.SerializeToString()
+
+
 def main(args: argparse.Namespace) -> None:
     from kiln.architectures import exported
-    from kiln.model_files import model_blob
 
     work = Path(tempfile.mkdtemp(prefix="kiln-batching-"))
     if args.mlp:
@@ -137,7 +162,7 @@ def main(args: argparse.Namespace) -> None:
                                   args.cache, work / "mlp")
     else:
         resnet = exported("resnet50", args.cache or work / "exports")
-        blob = model_blob(resnet.path, work / "resnet-blob").read_bytes()
+        blob = dynamic_batch(resnet.path)
         artifact = cached_compile(blob, CompileOptions(tune="off", benchmark_iterations=3),
                                   args.cache, work / "resnet50")
         feed = {name: value[:1] for name, value in dict(resnet.architecture.inputs).items()}
