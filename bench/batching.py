@@ -53,6 +53,9 @@ def serve(artifact: str, http_port: int, grpc_port: int, delay_us: int, instance
     models.put(ServedModel("plain", executor))
     models.put(ServedModel("batched", executor, batching=BatchingPolicy(
         max_batch_size=16, max_queue_delay_us=delay_us, instances=instances)))
+    if models.get("batched").batcher is None:
+        raise SystemExit("the engine's first axis is not a dynamic batch on every input and "
+                         "output: it cannot be batched")
     app = create_app(models)
     http = ServerThread(app, "127.0.0.1", http_port)
     http.start()
