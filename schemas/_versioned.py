@@ -23,23 +23,29 @@ M = TypeVar("M", bound=BaseModel)
 _VERSION = re.compile(r"^(0|[1-9][0-9]{0,5})\.(0|[1-9][0-9]{0,5})$")
 
 
-class MalformedSchemaVersion(SchemaUnsupported, ValueError):
-    """A ``schema_version`` that is no version at all. A ``ValueError`` too, so that inside a
-    model's field validator pydantic reports it as that field's validation error: a request
-    body carrying one is the client's mistake (422 naming the field), not a document this
-    Kiln cannot read (502)."""
-
-
 def parse_version(value: object, *, what: str) -> tuple[int, int]:
     """``"1.2"`` → ``(1, 2)``; a bare integer ``N`` (the first documents' form) is ``N.0``."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value, 0
     if isinstance(value, str) and (match := _VERSION.match(value)):
         return int(match[1]), int(match[2])
-    raise MalformedSchemaVersion(
+    raise SchemaUnsupported(
         f"{what} has schema_version {value!r}; expected \"MAJOR.MINOR\" (for example \"1.0\")",
         schema_version=repr(value),
     )
+
+
+def version_field(value: object, *, what: str) -> str:
+    """A model's ``schema_version`` field, normalised to ``"MAJOR.MINOR"``. Inside a field
+    validator a malformed one is a ``ValueError``, so pydantic reports it as that field's
+    error: a request body carrying one is the sender's mistake (422 naming the field), not a
+    document this Kiln cannot read. Stored documents go through ``validate_versioned``,
+    which checks the version before the model sees it (``SchemaUnsupported``)."""
+    try:
+        major, minor = parse_version(value, what=what)
+    except SchemaUnsupported as exc:
+        raise ValueError(exc.message) from None
+    return f"{major}.{minor}"
 
 
 def _prune(annotation: Any, value: Any) -> Any:

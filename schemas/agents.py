@@ -9,7 +9,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas._canonical import canonical_json, sha256_hex
-from schemas._versioned import parse_version, validate_versioned
+from schemas._versioned import validate_versioned, version_field
 from schemas.deployments import LABEL_KEY_PATTERN, BatchingPolicy
 from schemas.errors import ErrorBody
 from schemas.fingerprint import HardwareFingerprint
@@ -235,8 +235,7 @@ class DesiredState(BaseModel):
     @field_validator("schema_version", mode="before")
     @classmethod
     def _schema(cls, value: object) -> str:
-        major, minor = parse_version(value, what="a desired state")
-        return f"{major}.{minor}"
+        return version_field(value, what="a desired state")
 
     def content_digest(self) -> str:
         """sha256 of what the state asks for (agent, models, heartbeat period), leaving out

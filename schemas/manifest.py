@@ -15,7 +15,7 @@ from pydantic import (
 )
 
 from schemas._canonical import canonical_json
-from schemas._versioned import parse_version, validate_versioned
+from schemas._versioned import validate_versioned, version_field
 from schemas.fingerprint import HardwareFingerprint
 from schemas.options import CompileOptions
 from schemas.plugins import PluginRef
@@ -142,8 +142,7 @@ class ArtifactManifest(BaseModel):
     @field_validator("schema_version", mode="before")
     @classmethod
     def _version(cls, value: object) -> str:
-        major, minor = parse_version(value, what="an artifact manifest")
-        return f"{major}.{minor}"
+        return version_field(value, what="an artifact manifest")
 
     def unsigned_bytes(self) -> bytes:
         """The manifest's canonical bytes without a signature: what a new manifest's signed
