@@ -135,13 +135,31 @@ def readable_paths(extra: Sequence[Path] = ()) -> tuple[list[str], list[str]]:
     return sorted(roots), sorted(files)
 
 
+#: Folders torch writes into while it runs an engine, by the variable that names each:
+#: AOTInductor's package loader takes file locks in inductor's cache, and Triton keeps its
+#: compiled kernels. torch puts the first in the system's temporary folder and records the
+#: choice in the environment, which child processes inherit, so a variable set before the
+#: agent started may name a folder a confined agent cannot write.
+RUNTIME_CACHES = {"TORCHINDUCTOR_CACHE_DIR": "torchinductor", "TRITON_CACHE_DIR": "triton"}
+
+
 def prepare_tmp(cache_dir: Path) -> Path:
-    """Point the process's temporary folder (``TMPDIR``, ``tempfile``) beneath the cache, the
-    one place it may write once confined; returns it."""
-    tmp = Path(cache_dir).resolve() / TMP_DIRNAME
+    """Point the process's temporary folder (``TMPDIR``, ``tempfile``) and torch's run-time
+    caches (``RUNTIME_CACHES``) beneath the cache, the one place it may write once confined;
+    returns the temporary folder."""
+    cache = Path(cache_dir).resolve()
+    tmp = cache / TMP_DIRNAME
     tmp.mkdir(parents=True, exist_ok=True)
     os.environ["TMPDIR"] = str(tmp)
     tempfile.tempdir = None  # read TMPDIR again
+    for variable, name in RUNTIME_CACHES.items():
+        given = os.environ.get(variable)
+        if given and Path(given).resolve().is_relative_to(cache):
+            continue
+        if given:
+            logger.info("%s=%s is outside the agent's cache, where a confined agent cannot "
+                        "write; using %s", variable, given, tmp / name)
+        os.environ[variable] = str(tmp / name)
     return tmp
 
 
