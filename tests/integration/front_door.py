@@ -4,68 +4,21 @@ body and notes when the answer arrives: shared by ``test_front_door`` and
 
 from __future__ import annotations
 
-import os
 import selectors
 import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-import httpx
-
-from tests.conftest import free_port
+from tests.integration.hostile import KilnApi
 
 SECRET = "front-door-secret-0123456789abcdef-0123456789"
 
 
-class ApiProcess:
-    """``kiln api`` in its own process (SQLite, a local store, the filesystem broker)."""
+class ApiProcess(KilnApi):
+    """``kiln api`` in its own process (SQLite, a local store, the filesystem broker), with
+    this module's secret."""
 
-    def __init__(self, home: Path) -> None:
-        self.home = home
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 60.0) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-        env.update(KILN_ENV="dev", KILN_HOME=str(self.home), KILN_SECRET_KEY=SECRET,
-                   KILN_JOB_SWEEP_S="0", KILN_LOG_LEVEL="WARNING",
-                   PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-        self.home.mkdir(parents=True, exist_ok=True)
-        log = (self.home / "api.log").open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kiln.cli", "api", "--host", "127.0.0.1", "--port",
-             str(self.port)], env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the API exited with {self.proc.returncode}: "
-                                   f"{(self.home / 'api.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("the API did not answer /healthz in time")
-
-    def rss(self) -> int:
-        import psutil
-
-        assert self.proc is not None
-        return psutil.Process(self.proc.pid).memory_info().rss
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(20)
+    secret = SECRET
 
 
 def _rest_of_answer(sock: socket.socket, received: bytes, timeout_s: float = 5.0) -> bytes:

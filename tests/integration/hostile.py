@@ -26,6 +26,9 @@ class KilnApi:
     """``kiln api`` in its own process: SQLite under ``home`` unless ``env`` names another
     database; a local store and the filesystem broker."""
 
+    #: The API's JWT secret; tokens for it come from ``token(..., secret=...)``.
+    secret = SECRET
+
     def __init__(self, home: Path, env: dict[str, str] | None = None) -> None:
         self.home = home
         self.port = free_port()
@@ -39,7 +42,7 @@ class KilnApi:
 
     def start(self, timeout_s: float = 60.0) -> KilnApi:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-        env.update(KILN_ENV="dev", KILN_HOME=str(self.home), KILN_SECRET_KEY=SECRET,
+        env.update(KILN_ENV="dev", KILN_HOME=str(self.home), KILN_SECRET_KEY=self.secret,
                    KILN_JOB_SWEEP_S="0", KILN_GC_INTERVAL_S="0", KILN_LOG_LEVEL="WARNING",
                    PYTHONPATH=str(ROOT), **self.env)
         self.home.mkdir(parents=True, exist_ok=True)
