@@ -8,8 +8,8 @@ from collections.abc import Iterable
 from celery import Celery
 from sqlalchemy.orm import Session
 
-from schemas import CompileJob
-from schemas.errors import QueueUnavailable
+from schemas import CompileJob, Precision
+from schemas.errors import InvalidOptions, QueueUnavailable
 from schemas.jobs import task_id
 from services.config import KilnSettings
 from services.db import repo
@@ -54,3 +54,50 @@ def send(queue: Celery, job: CompileJob) -> None:
     enqueue_compile(queue, job_id=job.id, fingerprint_key=job.fingerprint_key,
                     task_id=task_id(job.id, job.retries),
                     time_limits=settings.job_time_limits(job.options.tuning_budget_s))
+
+
+def check_precision(session: Session, precision: Precision, keys: list[str]) -> None:
+    """422 when a targeted key's live workers build no engine of ``precision`` (their
+    heartbeats say which they build): queued, the job would fail on the worker. A key no live
+    worker reports precisions for is not judged (its job waits for hardware)."""
+    built = repo.live_worker_precisions(session)
+    refused = sorted(key for key in dict.fromkeys(keys)
+                     if key in built and precision.value not in built[key])
+    if not refused:
+        return
+    accepted = {key: sorted(built[key]) for key in refused}
+    others = sorted(key for key, names in built.items() if precision.value in names)
+    raise InvalidOptions(
+        f"precision {precision.value} cannot be built for {refused}: their workers build "
+        + "; ".join(f"{key}: {', '.join(names) or 'nothing'}" for key, names in accepted.items())
+        + f". Keys whose workers build {precision.value}: {others or 'none live'}",
+        precision=precision.value, refused=accepted, keys=others)
+
+
+def check_deploy_precision(session: Session, precision: Precision,
+                           agents: list[tuple[dict[str, str], dict[str, str]]]) -> None:
+    """422 when a selected live agent has no key whose workers build ``precision``.
+
+    ``agents``: (labels, backend → fingerprint key) of each agent the deployment selects. An
+    agent is judged only when live workers report precisions for at least one of its keys;
+    it is refused when none of those keys builds ``precision``: the deployment would queue
+    builds that can only fail, and the agent would serve nothing. The answer names the keys
+    and what their workers build, so the user narrows the selector or picks a precision.
+    """
+    built = repo.live_worker_precisions(session)
+    refused: dict[str, list[str]] = {}
+    for _labels, keys in agents:
+        judged = [key for key in dict.fromkeys(keys.values()) if key in built]
+        if judged and not any(precision.value in built[key] for key in judged):
+            for key in judged:
+                refused[key] = sorted(built[key])
+    if not refused:
+        return
+    others = sorted(key for key, names in built.items() if precision.value in names)
+    raise InvalidOptions(
+        f"precision {precision.value} cannot be built for agents this deployment selects: "
+        + "; ".join(f"{key}: their workers build {', '.join(names) or 'nothing'}"
+                    for key, names in sorted(refused.items()))
+        + f". Keys whose workers build {precision.value}: {others or 'none live'}; narrow "
+        "the selector or choose a precision those agents' workers build",
+        precision=precision.value, refused=refused, keys=others)

@@ -7,9 +7,8 @@ import os
 from pathlib import Path
 
 from fastapi import APIRouter, Request, Response, status
-from sqlalchemy.orm import Session
 
-from schemas import CompileJob, CompileJobCreate, JobStatus, Precision
+from schemas import CompileJob, CompileJobCreate, JobStatus
 from schemas.errors import ErrorBody, InvalidOptions
 from schemas.jobs import CompileJobBatch, task_id
 from services.api.deps import (
@@ -22,7 +21,7 @@ from services.api.deps import (
     SessionDep,
     StoreDep,
 )
-from services.api.enqueue import enqueue_jobs
+from services.api.enqueue import check_precision, enqueue_jobs
 from services.db import repo
 from services.integrity import usable_artifact
 from services.queue import revoke_compile
@@ -37,24 +36,6 @@ def _exit_if_fault_injected(trigger: Path | None) -> None:
         trigger.unlink(missing_ok=True)
         logger.error("fault injection: exiting between commit and enqueue (%s)", trigger)
         os._exit(70)
-def check_precision(session: Session, precision: Precision, keys: list[str]) -> None:
-    """422 when a targeted key's live workers build no engine of ``precision`` (their
-    heartbeats say which they build): queued, the job would fail on the worker. A key no live
-    worker reports precisions for is not judged (its job waits for hardware)."""
-    built = repo.live_worker_precisions(session)
-    refused = sorted(key for key in dict.fromkeys(keys)
-                     if key in built and precision.value not in built[key])
-    if not refused:
-        return
-    accepted = {key: sorted(built[key]) for key in refused}
-    others = sorted(key for key, names in built.items() if precision.value in names)
-    raise InvalidOptions(
-        f"precision {precision.value} cannot be built for {refused}: their workers build "
-        + "; ".join(f"{key}: {', '.join(names) or 'nothing'}" for key, names in accepted.items())
-        + f". Keys whose workers build {precision.value}: {others or 'none live'}",
-        precision=precision.value, refused=accepted, keys=others)
-
-
 router = APIRouter(prefix="/v1/compile-jobs", tags=["compile jobs"], route_class=Route)
 
 

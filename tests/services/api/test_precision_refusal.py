@@ -62,3 +62,37 @@ def test_the_worker_reports_what_its_backends_build() -> None:
     built = precisions(fingerprint)
     ort = node_fingerprint_keys(fingerprint)["onnxruntime"]
     assert "fp16" not in built[ort] and {"fp32", "auto"} <= set(built[ort])
+
+
+def test_a_deployment_whose_agents_no_worker_builds_the_precision_for_is_a_422(
+        api: TestClient) -> None:
+    """The deploy-time twin of the submit check: the agents a deployment selects, not the
+    targets a submit names, decide; nothing is written or queued on a refusal."""
+    from tests.services.api.conftest import registration
+
+    body = registration("cpu-node", KEY, {"pool": "cpu"})
+    ort = body["fingerprint_keys"]["onnxruntime"]
+    beat(api, "cpu", ort, ["fp32", "auto", "int8"])
+    assert api.post("/v1/agents", json=body).status_code == 200
+    # An agent whose keys no worker reports precisions for is not judged.
+    assert api.post("/v1/agents", json=registration(
+        "far-node", OTHER, {"pool": "far"})).status_code == 200
+    model_id = api.post("/v1/models", files={"file": ("m.onnx", mlp(seed=6)
+                                                      .SerializeToString())}).json()["id"]
+
+    def deploy(name: str, precision: str, pool: str):
+        return api.post("/v1/deployments", json={
+            "name": name, "model_id": model_id, "selector": {"pool": pool},
+            "options": {"precision": precision}})
+
+    refused = deploy("half", "fp16", "cpu")
+    assert refused.status_code == 422, refused.text
+    body = refused.json()
+    assert body["code"] == "invalid_options"
+    assert "precision fp16" in body["message"] and "narrow the selector" in body["message"]
+    assert body["details"]["refused"] == {ort: ["auto", "fp32", "int8"]}
+    assert api.get("/v1/deployments").json() == []
+    assert api.get("/v1/compile-jobs").json() == []
+
+    assert deploy("quant", "int8", "cpu").status_code == 201
+    assert deploy("far", "fp16", "far").status_code == 201
