@@ -203,7 +203,8 @@ class Agent:
             self._grpc = GrpcServer(
                 self.models, self.app.state.metrics, self.settings.serve_host,
                 self.settings.grpc_port, max_message_bytes=self.settings.max_body_bytes,
-                token=token.get_secret_value() if token else None)
+                token=token.get_secret_value() if token else None,
+                workers=self.settings.grpc_threads)
             try:
                 self._grpc.start()
             except BaseException:

@@ -88,6 +88,10 @@ class AgentSettings(BaseSettings):
     #: The Open Inference Protocol's gRPC port (on ``serve_host``, same models and token);
     #: 0, the default, runs no gRPC server.
     grpc_port: int = Field(0, ge=0, le=65535)
+    #: Threads serving gRPC calls. Each call holds its thread while it waits for its engine
+    #: call, so this bounds how many gRPC requests the dynamic batcher can gather into one
+    #: batch: keep it at least the deployments' maximum batch times their instances.
+    grpc_threads: int = Field(64, ge=1, le=4096)
     #: The URL reported to the control plane; default ``http://<serve_host>:<serve_port>``.
     advertise_url: str | None = None
     #: When set, every inference-server route but the health probes needs
