@@ -2,14 +2,25 @@
 
 Integration fixtures skip when a service is not reachable, unless KILN_REQUIRE_SERVICES=1
 (CI sets it), in which case they fail: a missing service must never pass silently.
+
+Databases that a test wants migrated start as copies of one database migrated per test run
+(a copied SQLite file; ``CREATE DATABASE ... TEMPLATE`` on PostgreSQL): the schema is the one
+the real Alembic chain produced, built once instead of once per test. The chain itself, from
+an empty database up and back down, stays tested in ``tests/services/db/test_migrations.py``
+and by every stack that starts on an empty database.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import socket
+import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +36,37 @@ def service_missing(what: str, why: object) -> None:
     if REQUIRE_SERVICES:
         pytest.fail(f"{message} (KILN_REQUIRE_SERVICES=1)")
     pytest.skip(message)
+
+
+_SQLITE_TEMPLATE: Path | None = None
+_SQLITE_TEMPLATE_LOCK = threading.Lock()
+
+
+def _sqlite_template() -> Path:
+    """A SQLite file migrated to head by the real chain, once per test process."""
+    global _SQLITE_TEMPLATE
+    with _SQLITE_TEMPLATE_LOCK:
+        if _SQLITE_TEMPLATE is None:
+            from services.db import migrate
+
+            folder = Path(tempfile.mkdtemp(prefix="kiln-test-template-"))
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
+            path = folder / "kiln.db"
+            migrate(f"sqlite:///{path}")
+            # The engine closed its last connection, which checkpoints the WAL into the file:
+            # the file alone is the whole database.
+            assert not path.with_name("kiln.db-wal").exists(), "template left a WAL behind"
+            _SQLITE_TEMPLATE = path
+        return _SQLITE_TEMPLATE
+
+
+def migrated_sqlite(path: Path) -> str:
+    """Put a migrated SQLite database at ``path`` (a copy of the run's template, unless a
+    database is there already) and return its URL."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_sqlite_template(), path)
+    return f"sqlite:///{path}"
 
 
 def free_port() -> int:
@@ -50,19 +92,53 @@ def postgres_server_url() -> str:
 @pytest.fixture
 def postgres_url(postgres_server_url: str) -> Iterator[str]:
     """A fresh, empty PostgreSQL database for one test, dropped afterwards."""
+    yield from _database(postgres_server_url)
+
+
+def _database(server_url: str, *, template: str | None = None) -> Iterator[str]:
     import sqlalchemy as sa
 
     name = f"kiln_test_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(postgres_server_url, isolation_level="AUTOCOMMIT")
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
+    copy = f' TEMPLATE "{template}"' if template else ""
     with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    url = sa.make_url(postgres_server_url).set(database=name)
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"{copy}'))
+    url = sa.make_url(server_url).set(database=name)
     try:
         yield url.render_as_string(hide_password=False)
     finally:
         with admin.connect() as conn:
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def postgres_template(postgres_server_url: str) -> Iterator[str]:
+    """The name of a PostgreSQL database migrated to head once per test run; nothing stays
+    connected to it, so ``CREATE DATABASE ... TEMPLATE`` can copy it."""
+    import sqlalchemy as sa
+
+    from services.db import migrate
+
+    name = f"kiln_template_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(postgres_server_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        migrate(sa.make_url(postgres_server_url).set(database=name)
+                .render_as_string(hide_password=False))
+        yield name
+    finally:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture
+def migrated_postgres_url(postgres_server_url: str, postgres_template: str) -> Iterator[str]:
+    """A fresh PostgreSQL database at the newest schema for one test (a copy of the run's
+    migrated template), dropped afterwards."""
+    yield from _database(postgres_server_url, template=postgres_template)
 
 
 @pytest.fixture(scope="session")

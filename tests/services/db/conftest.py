@@ -1,4 +1,6 @@
-"""A migrated database on SQLite (a file) and on PostgreSQL, for every test here."""
+"""A migrated database on SQLite (a file) and on PostgreSQL, for every test here: a copy of the
+test run's migrated template (``tests/conftest.py``); ``fresh_url`` is an empty one, for the
+tests of migrating itself."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.db import make_engine, make_session_factory, migrate
+from services.db import make_engine, make_session_factory
+from tests.conftest import migrated_sqlite
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -20,10 +23,12 @@ def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return request.getfixturevalue("postgres_url")
 
 
-@pytest.fixture
-def db_url(fresh_url: str) -> str:
-    migrate(fresh_url)
-    return fresh_url
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A database at the newest schema."""
+    if request.param == "sqlite":
+        return migrated_sqlite(tmp_path / "kiln.db")
+    return request.getfixturevalue("migrated_postgres_url")
 
 
 @pytest.fixture

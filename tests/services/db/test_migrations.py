@@ -1,15 +1,28 @@
-"""The hand-written migrations and ``tables.py`` must describe the same schema."""
+"""The hand-written migrations and ``tables.py`` must describe the same schema.
+
+Here the database is migrated from empty by the real Alembic chain in each test (elsewhere
+tests start from a copy of one migrated template), and then downgraded and upgraded again.
+"""
 
 from __future__ import annotations
 
+import pytest
 import sqlalchemy as sa
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
+from services.db import migrate
 from services.db.session import alembic_config
 from services.db.tables import Base
+
+
+@pytest.fixture
+def db_url(fresh_url: str) -> str:
+    """Overrides the template copy: an empty database taken to head by the whole chain."""
+    migrate(fresh_url)
+    return fresh_url
 
 
 def _diff(engine: sa.Engine, metadata: sa.MetaData) -> list[object]:
