@@ -172,8 +172,8 @@ class KilnSettings(SharedSettings):
     #: Threads each `kiln api` process runs its blocking work in (database reads and writes,
     #: the store's checks): anyio's default is 40. Each busy thread takes turns at the
     #: interpreter lock with the event loop that answers heartbeats and held long-polls, so
-    #: 40 busy threads stall the loop behind them: under 200 submissions a second, heartbeat
-    #: p50 was 36 ms with 40 against 2.3 ms with 8 (`bench/scale.py`). Long waits (a sandboxed
+    #: 40 busy threads stall the loop behind them: under a burst of submissions the
+    #: heartbeats' latency grows with the thread count (`bench/scale.py`). Long waits (a sandboxed
     #: inspection of an upload, the upload to the store) do not count against it
     #: (`KILN_API_SLOW_THREADS`).
     api_threads: int = Field(8, ge=1, le=256)

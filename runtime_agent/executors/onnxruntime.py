@@ -292,8 +292,8 @@ class OnnxRuntimeExecutor(Executor):
         self._local = threading.local()
         # Host inputs, outputs the engine allocates: the session's native run (what
         # InferenceSession.run calls after its own Python checks, which the signature check
-        # here replaces). Through an IOBinding the same call measured ~10 µs slower on a
-        # 1024-wide MLP on CPU; bindings serve out= buffers and device memory.
+        # here replaces). An IOBinding adds work per call on CPU that a small model feels
+        # (`bench/agent.py --only overhead`); bindings serve out= buffers and device memory.
         native = getattr(self.session, "_sess", None)
         self._direct = native.run if device == "cpu" and native is not None else None
         for name, why in self._output_shapes.unknown.items():
@@ -348,8 +348,8 @@ class OnnxRuntimeExecutor(Executor):
         Outputs without a caller's buffer are allocated by onnxruntime from its arena, bound
         afresh on every run (a binding reuses the buffer of an output left bound, which would
         overwrite what the previous call returned) and returned as numpy views of that memory.
-        Preallocating them here from the signature instead measured ~8 µs a call slower on a
-        1024-wide MLP on CPU (a fresh external buffer per call against the arena's); the
+        Preallocating them here from the signature instead costs a fresh external buffer per
+        call against the arena's reused one, which a small model feels (`bench/agent.py --only overhead`); the
         signature's shapes serve the callers that allocate (``out=``, ``kiln.torch``)."""
         binding = self._binding()
         for name, value in feed.items():

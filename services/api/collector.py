@@ -3,23 +3,23 @@
 An API process holding thousands of long-polls keeps a large population of long-lived objects
 (connections, waiters, held requests), and renews a share of it every second. CPython 3.11
 collects its oldest generation whenever objects promoted since the last full collection reach a
-quarter of those that survived it: with 10,000 long-polls renewed every 50 s, a full collection
-every ten seconds or so, each one holding the interpreter lock for about a second (measured by
-``bench/scale.py``: 1.2 s stalls, every request of the process waiting behind them).
+quarter of those that survived it: with thousands of long-polls renewed every minute, that is a
+full collection every few seconds, each walking every long-lived object with the interpreter
+lock held, and every request of the process waiting behind it (``bench/scale.py`` shows the
+stalls).
 
 So the API:
 
-- freezes what start-up built (``gc.freeze()``: the modules, the app, its routes; about
-  170,000 objects that are never garbage) out of every later collection;
+- freezes what start-up built (``gc.freeze()``: the modules, the app, its routes: objects
+  that are never garbage) out of every later collection;
 - collects the middle generation after every second young collection instead of every
-  tenth (``MIDDLE``). Each renewed long-poll leaves a hundred or so objects (its coroutines,
-  closures and exit stacks) that outlive the youngest generation and wait in the middle one:
-  with CPython's 10, a middle collection (about four a second) found 15,600 of them on
-  average and up to 58,000. One of 5,000 to 10,000 objects took 1 ms; past 10,000, 13 to
-  113 ms, with the interpreter lock held throughout (most likely the walk outgrowing the
-  caches). Every object is still walked the same number of times, in smaller passes: the
-  longest pause of a run fell from 99-149 ms to 42-83 ms, and the heartbeats' p99 with no
-  other load from 38-48 ms to 13-19 ms (``bench/scale.py``, 2-core AMD EPYC);
+  tenth (``MIDDLE``). Each renewed long-poll leaves objects (its coroutines, closures and
+  exit stacks) that outlive the youngest generation and wait in the middle one; with
+  CPython's 10 they pile up there, and a pause grows faster than the pile once the walk
+  outgrows the caches, with the interpreter lock held throughout. Every object is still
+  walked the same number of times, in smaller passes, so the longest pause shrinks and the
+  heartbeats' tail with it (``.venv/bin/python bench/scale.py`` measures that tail; run the
+  API with ``KILN_API_FULL_GC_S=0`` for CPython's own policy to compare);
 - takes the full collections off the automatic path and runs one every
   ``KILN_API_FULL_GC_S`` seconds (default 300) in a thread of its own: cyclic garbage that
   reached the oldest generation waits at most that long to be freed, and a stall comes once

@@ -80,9 +80,9 @@ RECHECK_THREAD = "kiln-desired-recheck"
 MAX_PROFILES = 200_000
 #: Long-polls that go on in one pass of the event loop (``LoopPace``); the rest wait for the
 #: next pass, after the requests that arrived meanwhile. Each answers whole in its pass
-#: (state, signature, and the response out through the middleware: 1 to 2 ms under load), so
-#: a heartbeat that arrives during a thousand-agent change waits behind up to this many of
-#: them. Measured at 4 and 16: docs/architecture.md, "A thousand woken at once".
+#: (state, signature, and the response out through the middleware), so a heartbeat that
+#: arrives during a thousand-agent change waits behind up to this many of them
+#: (`bench/scale.py` measures a thousand agents woken at once).
 TURNS_PER_PASS = 4
 
 

@@ -106,9 +106,8 @@ def create_compile_jobs(
     session.commit()
     # Serialized here, in the route's thread: the model is the one ``response_model`` names,
     # built just above. Returned as a model, FastAPI would validate it again, in a second hop
-    # to the thread pool (this is a ``def`` route): a median 0.1 ms of the API's CPU per
-    # cached answer, of about 2.3 ms (ten paired rounds of 300 in one process, nine of them
-    # in this direction).
+    # to the thread pool (this is a ``def`` route): CPU the API spends on every cached answer
+    # for nothing (`bench/submit_to_artifact.py` times the submissions).
     return Response(batch.model_dump_json(), status_code=status.HTTP_202_ACCEPTED,
                     media_type="application/json")
 
