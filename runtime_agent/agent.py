@@ -67,12 +67,15 @@ from runtime_agent.samples import IntegerRange, numpy_dtype, sample_inputs
 from runtime_agent.server import ReadyCheck, ServerThread, create_app
 from runtime_agent.serving import ModelTable, ServedModel
 from schemas.agents import (
+    MAX_REFUSALS,
+    REFUSAL_CODES,
     AgentHeartbeat,
     AgentRegistration,
     DesiredModel,
     DesiredState,
     ModelState,
     ModelStatus,
+    Refusal,
 )
 from schemas.errors import (
     ConfigError,
@@ -161,6 +164,13 @@ class Agent:
         self._desired: DesiredState | None = None
         self._progress: dict[str, _Progress] = {}
         self._failures: dict[tuple[str, str], _Failure] = {}
+        #: deployment → artifact → why this node refused it (``REFUSAL_CODES``): reported in
+        #: every heartbeat, so the control plane resolves the next engine; kept for as long as
+        #: this process runs (its fingerprint is fixed while it runs).
+        self._refused: dict[str, dict[str, Refusal]] = {}
+        #: Set when a refusal is new: the next heartbeat goes at once, and in full (its answer
+        #: is the desired state computed with the refusal, even while the long-poll answers).
+        self._beat_now = threading.Event()
         #: Rollout gate reports not delivered yet (the control plane was away): rollout id →
         #: report, sent again at each reconcile pass until one goes through.
         self._reports_due: dict[str, RolloutReport] = {}
@@ -262,6 +272,7 @@ class Agent:
         """Ask the agent to stop (safe from a signal handler); ``wait()`` then returns."""
         self._stop.set()
         self._wake.set()
+        self._beat_now.set()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until ``stop()`` (True) or ``timeout_s`` (False)."""
@@ -324,6 +335,7 @@ class Agent:
         with self._lock:
             desired = self._desired
             progress = dict(self._progress)
+            refused = {name: dict(by_id) for name, by_id in self._refused.items()}
         statuses = []
         for wanted in desired.models if desired else []:
             served = self.models.find(wanted.deployment)
@@ -337,6 +349,7 @@ class Agent:
             statuses.append(ModelStatus(
                 deployment=wanted.deployment, state=entry.state, artifact_id=current,
                 target_artifact_id=entry.target, error=entry.error,
+                refused=list(refused.get(wanted.deployment, {}).values()),
                 tier=served.tier if served else None,
                 requests=served.stats.count if served else 0,
                 p50_ms=served.stats.percentile_ms(50) if served else None,
@@ -392,7 +405,9 @@ class Agent:
                     logger.info("registered with %s as %s", self.settings.api_url,
                                 self.settings.name)
                 else:
-                    polling = self.long_polling.is_set()
+                    # A new refusal goes in a full heartbeat: its answer is the next engine.
+                    polling = self.long_polling.is_set() and not self._beat_now.is_set()
+                    self._beat_now.clear()
                     envelope = self.control.heartbeat(self.settings.name,
                                                       self.heartbeat_payload(), minimal=polling)
                     if polling:  # the long-poll brings the desired state
@@ -429,7 +444,7 @@ class Agent:
                     self._set_desired(desired)
                 wait = self._heartbeat_s
                 self.serving_gates()
-            self._stop.wait(wait)
+            self._beat_now.wait(wait)
 
     def _long_poll_loop(self) -> None:
         """Hold the long-poll of the desired state (see the module docstring)."""
@@ -547,6 +562,7 @@ class Agent:
         with self._lock:
             self._progress = {k: v for k, v in self._progress.items() if k in names}
             self._failures = {k: v for k, v in self._failures.items() if k in targets}
+            self._refused = {k: v for k, v in self._refused.items() if k in names}
         self.cache.evict()
 
     def _report(self, name: str, state: ModelState, target: str | None = None,
@@ -751,6 +767,17 @@ class Agent:
             body.model_dump_json()
         except ValueError:  # details a heartbeat could not carry
             body = body.model_copy(update={"details": {}})
+        if error.code in REFUSAL_CODES:
+            with self._lock:
+                by_id = self._refused.setdefault(name, {})
+                fresh = artifact_id not in by_id
+                by_id[artifact_id] = Refusal(
+                    artifact_id=artifact_id, code=error.code, message=error.message[:2000],
+                    fingerprint_keys=self.fingerprint_keys)
+                while len(by_id) > MAX_REFUSALS:
+                    del by_id[next(iter(by_id))]
+            if fresh:
+                self._beat_now.set()
         # A transient failure (the control plane or store unreachable) is still on its way.
         state = ModelState.DOWNLOADING if error.transient else ModelState.FAILED
         self._report(name, state, artifact_id, body)

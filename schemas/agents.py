@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from schemas._canonical import canonical_json, sha256_hex
 from schemas._versioned import validate_versioned, version_field
 from schemas.deployments import LABEL_KEY_PATTERN, BatchingPolicy
-from schemas.errors import ErrorBody
+from schemas.errors import ErrorBody, ErrorCode
 from schemas.fingerprint import HardwareFingerprint
 
 #: The desired-state schema this Kiln writes (see ``schemas._versioned``).
@@ -97,6 +97,36 @@ class ModelState(StrEnum):
     FAILED = "failed"
 
 
+#: Error codes by which an agent refuses an artifact as one this node cannot run, whatever
+#: the retries: the control plane then resolves another engine for that agent.
+REFUSAL_CODES = frozenset({ErrorCode.FINGERPRINT_MISMATCH, ErrorCode.BACKEND_UNAVAILABLE})
+#: The most refusals one status carries (older ones are dropped by the agent first).
+MAX_REFUSALS = 16
+
+
+class Refusal(BaseModel):
+    """An artifact this node refused to run, and why (``REFUSAL_CODES``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    artifact_id: str = Field(max_length=128)
+    code: ErrorCode
+    message: str = Field("", max_length=2000)
+    #: The node's fingerprint keys when it refused: the control plane honours the refusal
+    #: only while the agent reports the same keys (a node whose OpenVINO or CPU changed may
+    #: run the artifact now).
+    fingerprint_keys: dict[Backend, FingerprintKey] = Field(default_factory=dict,
+                                                            max_length=MAX_BACKENDS)
+
+    @field_validator("code")
+    @classmethod
+    def _a_refusal(cls, code: ErrorCode) -> ErrorCode:
+        if code not in REFUSAL_CODES:
+            raise ValueError(f"a refusal's code is one of {sorted(REFUSAL_CODES)}, not "
+                             f"{code.value!r}")
+        return code
+
+
 class ModelStatus(BaseModel):
     """What an agent reports for one deployment."""
 
@@ -113,6 +143,9 @@ class ModelStatus(BaseModel):
     #: the desired artifact cannot be fetched.
     tier: str | None = Field(None, max_length=32)
     error: ErrorBody | None = None
+    #: Artifacts of this deployment the node refused as unable to run them (typed), so the
+    #: control plane gives it the next engine rather than the same one again.
+    refused: list[Refusal] = Field(default_factory=list, max_length=MAX_REFUSALS)
     requests: int = 0
     p50_ms: float | None = None
 
@@ -165,7 +198,9 @@ class EngineChoice(BaseModel):
 
     #: ``fastest`` (the lowest recorded p50 of its tier), ``tie`` (several share it: the
     #: agent's backend preference among them), ``preference`` (a candidate of the tier has no
-    #: recorded p50: the agent's backend preference), or ``only`` (the one candidate).
+    #: recorded p50: the agent's backend preference), ``only`` (the one candidate), or
+    #: ``refused`` (none: the agent refused every engine it could have had; ``message`` names
+    #: them and why).
     reason: str
     #: The tier it came from: ``exact`` before ``compatible`` before ``fallback``.
     tier: str

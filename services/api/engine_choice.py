@@ -13,6 +13,10 @@ control plane gives the agent the fastest, by the p50 latency each recorded when
    with), go to the agent's backend order of preference (the order it reports its keys in,
    or the deployment's ``options.backends``).
 
+Artifacts the agent refused to run (its executor's typed refusal, reported in its heartbeat)
+are not among ``usable``: the caller leaves them out, and the answer names them and why
+(``refused``), so an operator sees why a node runs a lower tier or another backend.
+
 The answer says why (``schemas.agents.EngineChoice``) and travels in the signed desired
 state. Pure functions: no I/O, no database.
 """
@@ -46,16 +50,21 @@ def recorded_p50(artifact: ArtifactSummary) -> float | None:
 
 def choose_engine(usable: Sequence[Usable], preference: Sequence[str], *,
                   missing: Mapping[str, str] | None = None,
+                  refused: Mapping[str, str] | None = None,
                   ) -> tuple[Usable, EngineChoice] | None:
     """The engine to give the agent among ``usable``, and why; ``None`` when there is none.
 
     ``preference``: backend names, most preferred first (a backend not listed comes after
     those listed, by name). ``missing``: backends planned for the agent that offer no engine,
-    and why (recorded in the answer only).
+    and why (recorded in the answer only). ``refused``: artifact id → why the agent refused it
+    (recorded in the answer; a refused artifact among ``usable`` is a caller's error).
     """
     for item in usable:
         if item.tier not in TIERS:
             raise ValueError(f"unknown tier {item.tier!r}; expected one of {TIERS}")
+        if refused and item.artifact.id in refused:
+            raise ValueError(f"artifact {item.artifact.id} was refused by the agent "
+                             f"({refused[item.artifact.id]}); it is not usable")
     if not usable:
         return None
     order = list(preference)
@@ -96,6 +105,8 @@ def choose_engine(usable: Sequence[Usable], preference: Sequence[str], *,
         why += f"; {'/'.join(lower)} engines are not weighed against {tier} ones"
     if missing:
         why += "; no engine from " + ", ".join(f"{b} ({r})" for b, r in sorted(missing.items()))
+    if refused:
+        why += "; " + _refused_text(refused)
     weighed = [chosen] + [item for item in sorted(usable, key=lambda i: (TIERS.index(i.tier),
                                                                           rank(i)))
                           if item is not chosen]
@@ -104,3 +115,18 @@ def choose_engine(usable: Sequence[Usable], preference: Sequence[str], *,
         candidates=[EngineCandidate(artifact_id=item.artifact.id,
                                     backend=item.artifact.backend, tier=item.tier,
                                     p50_ms=recorded_p50(item.artifact)) for item in weighed])
+
+
+def _refused_text(refused: Mapping[str, str]) -> str:
+    return "the agent refused " + "; ".join(f"artifact {a} ({why})"
+                                            for a, why in sorted(refused.items()))
+
+
+def nothing_left(refused: Mapping[str, str], missing: Mapping[str, str] | None = None,
+                 ) -> EngineChoice:
+    """The answer when every engine the agent could have had is one it refused: none to run
+    until another lands (the caller queues a portable build where a worker makes one)."""
+    why = "no engine left to run: " + _refused_text(refused)
+    if missing:
+        why += "; no engine from " + ", ".join(f"{b} ({r})" for b, r in sorted(missing.items()))
+    return EngineChoice(reason="refused", tier="none", message=why, missing=dict(missing or {}))

@@ -13,6 +13,16 @@ program: AOTInductor, and onnxruntime through the ONNX exporter) is planned for 
 (``choose_backends``), and ``engine_choice.choose_engine`` gives the agent the fastest verified
 engine among them, best tier first; the desired model says why (``choice``). The lookups are
 batched over the backends, so planning issues as many queries for two backends as for one.
+
+Refusals: an agent that cannot run the artifact it was given (its executor refuses it with a
+typed error, ``schemas.agents.REFUSAL_CODES``: an OpenVINO blob compiled by another OpenVINO
+version or for another ISA, say) reports it (``ModelStatus.refused``, with the fingerprint
+keys it had then). While the agent reports the same keys, that artifact is left out of every
+tier for it, so it gets the next engine (another backend's of the same tier, then a
+compatible or fallback one, queueing a portable build when there is none) and the choice
+says which artifact it refused and why. Rebuilding the refused engine is not queued: the same
+build would yield the same artifact. A node whose keys change (another OpenVINO, another CPU)
+is offered it again.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from schemas.deployments import Deployment
 from schemas.fleet import DeploymentCoverage, FleetKey, FleetSummary
 from schemas.options import Portability
 from schemas.rollouts import Rollout
-from services.api.engine_choice import Usable, choose_engine
+from services.api.engine_choice import Usable, choose_engine, nothing_left
 from services.api.enqueue import enqueue_jobs
 from services.api.keys import backends_planned_only_when_named
 from services.db import repo
@@ -60,12 +70,14 @@ class AgentProfile:
     name: str = ""
     #: The active rollouts that admitted this agent to their new model.
     admitted: frozenset[str] = frozenset()
+    #: (artifact id, why) of each artifact the agent refused under its present keys, sorted.
+    refused: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, agent: AgentInfo, rollouts: Iterable[Rollout] = ()) -> AgentProfile:
         return cls(labels=dict(agent.labels), fingerprint_keys=dict(agent.fingerprint_keys),
                    compatibility_keys={k: list(v) for k, v in agent.compatibility_keys.items()},
-                   name=agent.name).admitted_by(rollouts)
+                   name=agent.name, refused=refusals(agent)).admitted_by(rollouts)
 
     def admitted_by(self, rollouts: Iterable[Rollout]) -> AgentProfile:
         """This profile with the active ``rollouts`` that admitted its agent."""
@@ -77,7 +89,19 @@ class AgentProfile:
     def key(self) -> str:
         """Equal for equal profiles, whatever the agent's name."""
         return json.dumps([self.labels, self.fingerprint_keys, self.compatibility_keys,
-                           sorted(self.admitted)], sort_keys=True, separators=(",", ":"))
+                           sorted(self.admitted), [a for a, _ in self.refused]],
+                          sort_keys=True, separators=(",", ":"))
+
+
+def refusals(agent: AgentInfo) -> tuple[tuple[str, str], ...]:
+    """(artifact id, why) of the artifacts ``agent`` reports it refused while it had the keys
+    it has now; a refusal made under other keys is stale (the node changed) and ignored."""
+    found: dict[str, str] = {}
+    for status in agent.models:
+        for refusal in status.refused:
+            if refusal.fingerprint_keys == agent.fingerprint_keys:
+                found[refusal.artifact_id] = f"{refusal.code.value}: {refusal.message}"
+    return tuple(sorted(found.items()))
 
 
 def choose_backend(deployment: Deployment, agent: AgentProfile | AgentInfo, *,
@@ -290,7 +314,11 @@ class Planner:
         # One query for every backend's exact engine, one for the newest jobs of those without.
         exact = repo.find_artifacts(self.session, model_id=model_id, options_digest=digest,
                                     fingerprint_keys=list(keys.values()))
-        usable = [Usable(exact[k], "exact") for _, k in pairs if k in exact]
+        refused = dict(agent.refused)
+        #: This model's artifacts looked at (the refusals of others are not this answer's).
+        seen = {a.id for a in exact.values()}
+        usable = [Usable(exact[k], "exact") for _, k in pairs
+                  if k in exact and exact[k].id not in refused]
         jobs: dict[str, CompileJob] = {}
         current = repo.plugins_current_many(
             self.session, artifact_ids=[a.id for a in exact.values()])
@@ -314,21 +342,27 @@ class Planner:
                 found = repo.find_compatible_artifacts(
                     self.session, model_id=model_id, compatibility_keys=every,
                     options_digest=options_digest)
+                seen.update(a.id for a in found)
                 usable = [Usable(a, tier) for a in found
-                          if a.backend in compat and a.compatibility_key in compat[a.backend]]
+                          if a.backend in compat and a.compatibility_key in compat[a.backend]
+                          and a.id not in refused]
                 if usable:
                     break
             else:
                 self.portable_build(model_id, deployment.options, compat[backend])
-        waiting = {b: _why_missing(jobs.get(b)) for b, _ in pairs
+        waiting = {b: "refused by this node" if k in exact and exact[k].id in refused
+                   else _why_missing(jobs.get(b)) for b, k in pairs
                    if b not in {u.artifact.backend for u in usable}}
-        picked = choose_engine(usable, [b for b, _ in pairs], missing=waiting)
+        refused_here = {a: why for a, why in refused.items() if a in seen}
+        picked = choose_engine(usable, [b for b, _ in pairs], missing=waiting,
+                               refused=refused_here)
         if picked is None:
             job = jobs.get(backend)
-            if job is not None:
-                desired = desired.model_copy(update={"job_id": job.id,
-                                                     "retry_at": job.retry_at})
-            return desired
+            pending: dict[str, object] = (
+                {"job_id": job.id, "retry_at": job.retry_at} if job is not None else {})
+            if refused_here:
+                pending["choice"] = nothing_left(refused_here, waiting)
+            return desired.model_copy(update=pending) if pending else desired
         chosen, choice = picked
         backend = chosen.artifact.backend
         update: dict[str, object] = {

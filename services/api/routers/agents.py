@@ -109,6 +109,9 @@ async def heartbeat(
                                          trust=beat.trust)
             session.commit()
             beats.known(name)
+            if any(m.refused for m in beat.models):
+                # The profile a long-poll keeps would offer the refused engine again.
+                _hub(request).agents_changed([name])
             return signed(desired_state(session, queue, agent,
                                         heartbeat_s=settings.agent_heartbeat_s,
                                         cache=_hub(request).cache), signer, settings)
