@@ -178,6 +178,8 @@ def peers_for(backend: Backend, fingerprint: HardwareFingerprint, options: Compi
             continue
         if options.backends and other.name not in options.backends:
             continue
+        if not options.backends and not other.races_unnamed:
+            continue
         if model_format is not None and model_format not in other.model_formats:
             continue
         if not other.supports(fingerprint):

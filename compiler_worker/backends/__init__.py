@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from compiler_worker.backends.aotinductor import AOTInductorBackend
 from compiler_worker.backends.base import PIPELINE_VERSION, Backend, BuiltEngine, Candidate
+from compiler_worker.backends.iree import IreeBackend
 from compiler_worker.backends.onnxruntime import OnnxRuntimeBackend
 from compiler_worker.backends.openvino import OpenVinoBackend
 from compiler_worker.backends.tensorrt import TensorRTBackend
@@ -20,6 +21,7 @@ __all__ = [
     "Backend",
     "BuiltEngine",
     "Candidate",
+    "IreeBackend",
     "OnnxRuntimeBackend",
     "OpenVinoBackend",
     "TensorRTBackend",
@@ -118,3 +120,4 @@ register(OnnxRuntimeBackend.name, OnnxRuntimeBackend())
 register(TensorRTBackend.name, TensorRTBackend())
 register(AOTInductorBackend.name, AOTInductorBackend())
 register(OpenVinoBackend.name, OpenVinoBackend())
+register(IreeBackend.name, IreeBackend())

@@ -103,6 +103,10 @@ class Backend(ABC):
     #: Those of ``model_formats`` it takes only by converting them first (``from_program``):
     #: when nothing names a backend, one that takes the format as it is goes first.
     converts: ClassVar[frozenset[str]] = frozenset()
+    #: Whether its candidates race in another backend's tuning when the request names no
+    #: backend (``pipeline.peers_for``); a backend whose every candidate is a long compile
+    #: that loses on this kind of worker races only when named.
+    races_unnamed: ClassVar[bool] = True
 
     @property
     def accepts_plugins(self) -> bool:

@@ -18,6 +18,7 @@ from runtime_agent.executors.base import (
     Executor,
     blob_filename,
 )
+from runtime_agent.executors.iree import IreeExecutor
 from runtime_agent.executors.onnxruntime import OnnxRuntimeExecutor
 from runtime_agent.executors.openvino import OpenVinoExecutor
 from runtime_agent.executors.tensorrt import TensorRTExecutor
@@ -31,6 +32,7 @@ __all__ = [
     "AOTInductorExecutor",
     "CustomOpAdapter",
     "Executor",
+    "IreeExecutor",
     "OnnxRuntimeExecutor",
     "OpenVinoExecutor",
     "TensorRTExecutor",
@@ -178,3 +180,4 @@ register(OnnxRuntimeExecutor.backend, OnnxRuntimeExecutor)
 register(TensorRTExecutor.backend, TensorRTExecutor)
 register(AOTInductorExecutor.backend, AOTInductorExecutor)
 register(OpenVinoExecutor.backend, OpenVinoExecutor)
+register(IreeExecutor.backend, IreeExecutor)
