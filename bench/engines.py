@@ -21,6 +21,8 @@ the machine (other load, thermal state) hits every engine alike. Engines:
 - ``kiln fp32`` / ``kiln auto``: ``compile_model`` with ``tune="auto"`` and that precision
   policy, given the samples (the dataset the tuner verifies, gates and calibrates on), loaded
   from its artifact directory with ``runtime_agent.executors.load_executor``;
+- ``kiln iree``: ``compile_model`` with ``backends=["iree"]`` (candidates default, data
+  tiling, micro-kernels, channels-last convolutions, for this CPU's ISA class), fp32;
 - ``kiln aotinductor``: the module exported with ``torch.export`` (``.pt2``) and compiled by
   ``compile_model`` for the AOTInductor backend (candidates ``default`` and ``freezing``,
   verified against the eager program on the same samples), loaded the same way. Its prepare
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import io
 import logging
 import multiprocessing
@@ -390,15 +393,17 @@ def _openvino(model_path: Path, out_dir: Path, feeds: list[dict[str, np.ndarray]
 
 
 def _kiln(blob: Path, precision: str, workdir: Path, samples: dict[str, np.ndarray],
-          dataset_id: str) -> Engine:
-    """Kiln's engine for ``precision``: tuned, verified and gated on the samples."""
-    name = f"kiln {precision}"
+          dataset_id: str, backend: str | None = None) -> Engine:
+    """Kiln's engine for ``precision``: tuned, verified and gated on the samples (by
+    ``backend`` alone when given: ``iree``, whose candidates race only when named)."""
+    name = f"kiln {backend or precision}"
     try:
         from compiler_worker.pipeline import compile_model, write_artifact_dir
         from runtime_agent.fingerprint import detect_fingerprint
         from schemas.options import CompileOptions
 
-        options = CompileOptions(tune="auto", precision=precision, samples=dataset_id)
+        options = CompileOptions(tune="auto", precision=precision, samples=dataset_id,
+                                 backends=[backend] if backend else [])
         started = time.perf_counter()
         result = compile_model(blob.read_bytes(), options, fingerprint=detect_fingerprint(),
                                workdir=workdir / "work", samples=samples)
@@ -520,6 +525,12 @@ def run_case(label: str, case: Case, args: argparse.Namespace, work: Path) -> No
         print(f"[{label}] kiln build, precision {precision} ...", file=sys.stderr)
         engines.append(_kiln(blob, precision, case_dir / f"kiln-{precision}", arrays,
                              dataset_id))
+    if importlib.util.find_spec("iree.compiler") is not None:
+        # IREE's llvm-cpu engines for this CPU, timed beside onnxruntime's: the tuner races
+        # them only when a request names the backend, so this row says whether it should.
+        print(f"[{label}] kiln build, backend iree ...", file=sys.stderr)
+        engines.append(_kiln(blob, "fp32", case_dir / "kiln-iree", arrays, dataset_id,
+                             backend="iree"))
     print(f"[{label}] kiln build, torch.export → aotinductor ...", file=sys.stderr)
     engines.append(_kiln_aoti(architecture, case_dir / "kiln-aoti", arrays, dataset_id))
 
