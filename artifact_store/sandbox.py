@@ -126,8 +126,9 @@ _ALLOCATION_FAILED = re.compile(
 class Limits:
     """What a child may use. ``None``: no limit of that kind."""
 
-    #: Virtual address space (``RLIMIT_AS``). Python, numpy, onnx and onnxruntime import in
-    #: under 1 GiB of address space, torch too; the rest is the work's.
+    #: Virtual address space (``RLIMIT_AS``). Python, numpy, onnx, onnxruntime and torch
+    #: import in a small share of it (``bench/sandbox.py`` prints the least each needs); the
+    #: rest is the work's.
     address_space_bytes: int | None = 4 << 30
     #: CPU seconds (``RLIMIT_CPU``): SIGXCPU at the limit, SIGKILL 5 s later.
     cpu_s: int | None = 600

@@ -42,8 +42,9 @@ class WorkerSettings(SharedSettings):
     #: beats and hands its running job to another worker.
     worker_heartbeat_s: float = Field(10.0, gt=0)
     #: Address space of the child that builds a job (parses the model, runs plugin code,
-    #: builds, verifies, benchmarks); past it the job fails with ``resource_limit``. Imports
-    #: take under 1 GiB; the rest is the model's (several copies of its weights).
+    #: builds, verifies, benchmarks); past it the job fails with ``resource_limit``. The
+    #: toolchain's imports take a small share (``bench/sandbox.py`` prints the least address
+    #: space each needs); the rest is the model's (several copies of its weights).
     sandbox_memory_bytes: int = Field(16 * 1024**3, ge=1024**3)
     #: CPU seconds of that child; past them the job fails with ``resource_limit``.
     sandbox_cpu_s: int = Field(4 * 3600, ge=1)
