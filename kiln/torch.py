@@ -211,8 +211,9 @@ class KilnEngineOp:
     def _run(self, *inputs: torch.Tensor) -> Any:
         """The kernel. On the CPU, inputs are read in place (numpy views of the tensors) and
         the outputs the engine allocates become tensors without a copy (``torch.from_numpy``):
-        measured cheaper than torch allocating them and the engine writing into them through
-        an IOBinding. On CUDA, ``_run_on_device``."""
+        cheaper than torch allocating them and the engine writing into them through an
+        IOBinding (``bench/serving.py``: the ``out=`` row is the bound path). On CUDA,
+        ``_run_on_device``."""
         if inputs and inputs[0].is_cuda:
             return self._run_on_device(inputs)
         feed = self._prechecked(inputs)

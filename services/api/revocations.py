@@ -2,7 +2,8 @@
 ``KILN_REVOCATION_REFRESH_S`` instead of a lookup per request.
 
 Every authenticated request asks whether its token was revoked. A database lookup per request
-cost about 0.8 ms of a heartbeat's 3.7 ms (and a hop to a worker thread). The list of revoked,
+was a large share of a heartbeat's own cost, and a hop to a worker thread (the first phase of
+``bench/scale.py`` prints the API's CPU per heartbeat). The list of revoked,
 unexpired tokens is short (a row goes once its token would have expired anyway), so the process
 keeps it as a set and reads it again when it is older than ``refresh_s``:
 
@@ -14,7 +15,8 @@ keeps it as a set and reads it again when it is older than ``refresh_s``:
 loop). Once the set is older than ``refresh_s`` it starts one read in a thread of its own and
 goes on answering from the set while that read runs, for at most ``STALE_GRACE_S`` more: when
 a deployment keeps the API's worker threads busy for seconds, the requests of that second do
-not each queue for a worker thread behind it (every heartbeat did, and waited up to 2.4 s).
+not each queue for a worker thread behind it (every heartbeat did; ``bench/scale.py`` reports
+the heartbeats near a deployment change apart).
 Past the grace (the database is slow or gone), ``known`` answers ``None`` and
 ``revoked(jti)``, in a worker thread, reads the list itself (one thread at a time; the others
 wait for that read), so a list that cannot be read is never trusted for long. A background
