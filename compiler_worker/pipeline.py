@@ -674,6 +674,13 @@ def _tune_and_finish(
             passes=passes_applied,
             inputs_source=source,
             precision=candidate.precision,
+            # Derived from this candidate, not from the host: the winner's manifest carries
+            # what the winning engine needs, and what it was tuned for.
+            requirements=backend.executor.requirements(
+                fingerprint, {**candidate.config, **built.runtime_config}, candidate.precision),
+            tuning_context=backend.executor.tuning_context(
+                fingerprint, {**candidate.config, **built.runtime_config},
+                options.precision.value, threads_tuned=options.tune.value != "off"),
             # Placeholders until the tuner fills them in.
             verification=VerificationResult(
                 passed=False, samples=0, max_abs_error=0.0, max_rel_error=0.0,

@@ -30,7 +30,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from schemas.errors import InvalidRequest
-from schemas.fingerprint import AcceleratorInfo, CpuInfo, HardwareFingerprint
+from schemas.fingerprint import (
+    X86_FEATURES,
+    X86_LEVELS,
+    AcceleratorInfo,
+    CpuInfo,
+    HardwareFingerprint,
+    isa_class,
+)  # the level rules live in schemas; re-exported here
 
 logger = logging.getLogger(__name__)
 
@@ -43,22 +50,6 @@ _ARCH_ALIASES = {
     "armv8l": "aarch64",
     "armv8b": "aarch64",
 }
-
-#: x86 flags (``/proc/cpuinfo`` spelling) that decide kernels, and the x86-64 psABI levels.
-X86_FEATURES = frozenset({
-    "ssse3", "sse4_1", "sse4_2", "popcnt",
-    "avx", "avx2", "fma", "f16c", "bmi1", "bmi2",
-    "avx512f", "avx512cd", "avx512dq", "avx512bw", "avx512vl",
-    "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni",
-    "amx_tile", "amx_bf16", "amx_int8",
-})
-_X86_V2 = frozenset({"ssse3", "sse4_1", "sse4_2", "popcnt"})
-_X86_V3 = _X86_V2 | {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2"}
-_X86_V4 = _X86_V3 | {"avx512f", "avx512cd", "avx512dq", "avx512bw", "avx512vl"}
-#: The x86-64 psABI levels, highest first, with the features each requires.
-X86_LEVELS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("x86-64-v4", _X86_V4), ("x86-64-v3", _X86_V3), ("x86-64-v2", _X86_V2),
-)
 
 #: Arm ``Features`` words that decide kernels, mapped to Kiln's names.
 ARM_FEATURES = {
@@ -156,29 +147,6 @@ def parse_cpuinfo(text: str, arch: str) -> tuple[str, str, list[str]]:
             model = f"part {part}"
         return vendor, model, features
     return fields.get("vendor_id", ""), fields.get("model name", ""), []
-
-
-def isa_class(cpu: CpuInfo) -> str:
-    """The ISA class that decides which CPU kernels an engine may contain.
-
-    x86_64 follows the x86-64 psABI micro-architecture levels, each level requiring the
-    features of the one below: ``x86-64-v4`` (AVX-512 F/CD/DQ/BW/VL), ``x86-64-v3`` (AVX, AVX2,
-    FMA, F16C, BMI1, BMI2), ``x86-64-v2`` (SSSE3, SSE4.1, SSE4.2, POPCNT), else ``x86-64``.
-    aarch64: ``armv8-sve``, ``armv8-dotprod``, else ``armv8``. Any other arch is its own class.
-    """
-    features = {f.lower() for f in cpu.features}
-    if cpu.arch == "x86_64":
-        for name, required in X86_LEVELS:
-            if required <= features:
-                return name
-        return "x86-64"
-    if cpu.arch == "aarch64":
-        if "sve" in features:
-            return "armv8-sve"
-        if "dotprod" in features:
-            return "armv8-dotprod"
-        return "armv8"
-    return cpu.arch
 
 
 def older_variant(fingerprint: HardwareFingerprint) -> HardwareFingerprint:

@@ -16,7 +16,7 @@ from pydantic import (
 
 from schemas._canonical import canonical_json
 from schemas._versioned import validate_versioned, version_field
-from schemas.fingerprint import HardwareFingerprint
+from schemas.fingerprint import EngineRequirements, HardwareFingerprint, TuningContext
 from schemas.options import CompileOptions
 from schemas.plugins import PluginRef
 from schemas.tuning import TuningTable
@@ -25,7 +25,9 @@ SHA256_PATTERN = r"^[0-9a-f]{64}$"
 #: The manifest schema this Kiln writes. A reader accepts any ``1.x`` (dropping fields a newer
 #: minor added) and refuses ``2.0``; the first manifests wrote the integer ``1`` (= ``1.0``).
 #: 1.1: the tuning table's noise figures (``TuningTable.noise``, ``CandidateResult.spread``).
-MANIFEST_SCHEMA_VERSION = "1.1"
+#: 1.2: the engine's ``requirements`` and ``tuning_context`` (absent from older manifests: such
+#: an engine requires exactly its build host's key, see ``legacy_requirements``).
+MANIFEST_SCHEMA_VERSION = "1.2"
 
 ArtifactState = Literal["ready", "broken"]
 
@@ -135,6 +137,11 @@ class ArtifactManifest(BaseModel):
     precision: str = "fp32"
     #: Every candidate the tuner built, verified and measured, and which won.
     tuning: TuningTable | None = None
+    #: What the engine needs to run correctly (derived from the winning candidate); ``None``
+    #: in manifests older than 1.2.
+    requirements: EngineRequirements | None = None
+    #: What the winner was tuned for; ``None`` in manifests older than 1.2.
+    tuning_context: TuningContext | None = None
     created_at: datetime
     #: Only in manifests of the first, embedded-signature form (read for compatibility).
     signature: ManifestSignature | None = None
@@ -155,6 +162,22 @@ class ArtifactManifest(BaseModel):
                 return ref
         raise KeyError(f"manifest {self.artifact_id} has no blob {name!r}; it has "
                        f"{[b.name for b in self.blobs]}")
+
+
+#: What a manifest without requirements says about itself.
+LEGACY_REQUIREMENTS_NOTE = ("the manifest predates requirements (schema < 1.2): it is treated as "
+                            "requiring exactly its build host's fingerprint key")
+
+
+def effective_requirements(manifest: ArtifactManifest) -> EngineRequirements:
+    """The manifest's requirements; for one written before 1.2, its build host's exact key
+    (or its compatibility key, which then stands for the same rule, as before), and
+    says so (``LEGACY_REQUIREMENTS_NOTE`` among the reasons)."""
+    if manifest.requirements is not None:
+        return manifest.requirements
+    return EngineRequirements(arch=manifest.build_fingerprint.cpu.arch,
+                              key=manifest.fingerprint_key,
+                              reasons=[LEGACY_REQUIREMENTS_NOTE])
 
 
 def parse_manifest(data: dict[str, Any]) -> ArtifactManifest:

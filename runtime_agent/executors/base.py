@@ -17,7 +17,12 @@ import numpy as np
 
 from runtime_agent.executors.tensors import DeviceTensor, InputCheck, OutputShapes, from_dlpack
 from schemas.errors import BackendUnavailable, IntegrityError, InvalidRequest, KilnError
-from schemas.fingerprint import HardwareFingerprint
+from schemas.fingerprint import (
+    EngineRequirements,
+    HardwareFingerprint,
+    TuningContext,
+    core_class,
+)
 from schemas.manifest import ArtifactManifest, BlobRef
 
 if TYPE_CHECKING:
@@ -177,6 +182,43 @@ class Executor(ABC):
         on every node whose ``compatibility_keys`` contain it. ``None`` (the default) when
         only the exact fingerprint key fits."""
         return None
+
+    #: The CPU features this backend's candidates read (which of them a node has can change
+    #: the winner: its own tuning is worth a build); none by default.
+    tuning_features: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def requirements(cls, built_on: HardwareFingerprint, config: Mapping[str, object],
+                     precision: str) -> EngineRequirements:
+        """What an engine of the winning candidate (``config``: its settings and runtime
+        config; ``precision``: what it computes in) needs to run correctly. By default: the
+        build host's architecture and runtime version, its GPU's compute capability for a
+        GPU engine, and its exact key unless the engine carries a compatibility key (whose
+        rule then stands). A backend that knows which features its kernels use says less."""
+        version = built_on.runtimes.get(cls.runtime)
+        cc = (built_on.accelerators[0].compute_capability
+              if built_on.accelerators and cls.device_for(config) == "cuda" else None)
+        portable = cls.compatibility_key(built_on, config) is not None
+        return EngineRequirements(
+            arch=built_on.cpu.arch, runtimes={cls.runtime: version} if version else {},
+            compute_capability=cc or None,
+            key=None if portable else cls.fingerprint_key(built_on),
+            reasons=[f"{cls.backend} engines run only where their compatibility key's rule "
+                     f"holds" if portable else
+                     f"{cls.backend} records no finer rule: its build host's key exactly"])
+
+    @classmethod
+    def tuning_context(cls, built_on: HardwareFingerprint, config: Mapping[str, object],
+                       requested: str, *, threads_tuned: bool = False) -> TuningContext:
+        """What the winner was chosen for: the build host's CPU, core class, and which of
+        ``tuning_features`` it has (``requested``: the compile's precision policy, which
+        decides which candidates raced)."""
+        have = set(built_on.cpu.features)
+        return TuningContext(
+            cpu_model=built_on.cpu.model, cores=built_on.cpu.cores,
+            core_class=core_class(built_on.cpu.cores), depends_on=sorted(cls.tuning_features),
+            features=sorted(f for f in cls.tuning_features if f in have),
+            threads_tuned=threads_tuned)
 
     @classmethod
     def compatibility_keys(cls, fingerprint: HardwareFingerprint) -> list[str]:

@@ -55,7 +55,12 @@ from runtime_agent.fingerprint import (
 )
 from runtime_agent.plugins.abi import platform_tag
 from schemas.errors import BackendUnavailable, InvalidRequest
-from schemas.fingerprint import HardwareFingerprint
+from schemas.fingerprint import (
+    INT8_DOT_FEATURES,
+    EngineRequirements,
+    HardwareFingerprint,
+    TuningContext,
+)
 from schemas.tuning import ThreadPolicy
 
 if TYPE_CHECKING:
@@ -238,6 +243,60 @@ class OnnxRuntimeExecutor(Executor):
     def compatibility_keys(cls, fingerprint: HardwareFingerprint) -> list[str]:
         """The portable key, for every supported node."""
         return [cls.portable_key(fingerprint)] if cls.supports(fingerprint) else []
+
+    #: int8 candidates read the int8 dot-product features (``reduce_range`` off with one),
+    #: bf16 candidates Arm's bf16.
+    tuning_features = (*INT8_DOT_FEATURES, "bf16")
+
+    @classmethod
+    def requirements(cls, built_on: HardwareFingerprint, config: Mapping[str, object],
+                     precision: str) -> EngineRequirements:
+        """The architecture; the build host's ISA class for a level-3 engine (layouts blocked
+        for its vector width), none for levels 0-2; an int8 dot-product feature for an int8
+        engine quantized without ``reduce_range`` (without one, u8 x s8 products saturate and
+        the outputs are wrong with no error: onnxruntime#5849, pytorch#103646); bf16 for
+        MLAS's bf16 fast math; the onnxruntime ``major.minor``."""
+        features: list[str] = []
+        reasons: list[str] = []
+        if not _portable(config):
+            reasons.append(f"level-3 layouts blocked for {isa_class(built_on.cpu)}")
+        dot = [f for f in INT8_DOT_FEATURES
+               if (f in ("dotprod", "i8mm")) == (built_on.cpu.arch == "aarch64")]
+        # Verified on a host with one of them: the engine's products were never checked on
+        # the saturating path. (Verified without one, it passed on that path.)
+        if (precision.startswith("int8") and config.get("quantize") is not None
+                and not config.get("reduce_range")
+                and set(dot) & set(built_on.cpu.features)):
+            features.append("|".join(dot))
+            reasons.append("int8 quantized without reduce_range: u8 x s8 products saturate "
+                           "without an int8 dot-product instruction (onnxruntime#5849)")
+        if config.get("bf16_fastmath"):
+            features.append("bf16")
+            reasons.append("MLAS's bf16 fast math needs bf16 instructions")
+        return EngineRequirements(
+            arch=built_on.cpu.arch,
+            isa_level=None if _portable(config) else isa_class(built_on.cpu),
+            features=features,
+            runtimes={cls.runtime: major_minor(built_on.runtimes.get(cls.runtime)) or ""},
+            reasons=reasons)
+
+    @classmethod
+    def tuning_context(cls, built_on: HardwareFingerprint, config: Mapping[str, object],
+                       requested: str, *, threads_tuned: bool = False) -> TuningContext:
+        """Which features decided depends on what raced: int8 dot-product features when int8
+        candidates did (``auto``, ``int8``), bf16 when bf16 ones did; thread policies race
+        beside fp32 candidates only."""
+        context = super().tuning_context(built_on, config, requested,
+                                         threads_tuned=threads_tuned)
+        depends = set()
+        if requested in ("auto", "int8"):
+            depends |= set(INT8_DOT_FEATURES)
+        if requested in ("auto", "bf16"):
+            depends.add("bf16")
+        return context.model_copy(update={
+            "depends_on": sorted(depends),
+            "features": sorted(f for f in depends if f in set(built_on.cpu.features)),
+            "threads_tuned": threads_tuned and requested in ("fp32", "auto")})
 
     @classmethod
     def compatible(
