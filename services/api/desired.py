@@ -346,7 +346,8 @@ class DesiredStateHub:
         and then finds the result kept (``kept()``), without a thread of its own. A change
         wakes a thousand long-polls of a few profiles; when each took a thread, they queued
         for the threads and fought the event loop for the interpreter lock, and the
-        heartbeats behind them waited a second."""
+        heartbeats behind them waited for the whole burst (``bench/scale.py`` reports the
+        heartbeats near a deployment change apart)."""
         share = self._share()
         base = self.kept_profile(name)
         key = base.key if base is not None else f"agent:{name}"
