@@ -22,6 +22,9 @@ SUITES = {
 }
 #: At least this many models per suite must pass (a guard against a suite silently emptying).
 MIN_PASSED = {"light": 9, "pytorch-converted": 82, "pytorch-operator": 35, "node": 380}
+#: The light zoo again, built by OpenVINO alone (fp32, verified by the same rules). Light
+#: models only: a compile of each zoo model per backend would take the suite's time twice.
+OPENVINO_MIN_PASSED = 9
 
 
 @pytest.mark.parametrize("suite", list(SUITES))
@@ -40,3 +43,24 @@ def test_onnx_zoo(suite: str, tmp_path: Path) -> None:
     failed = [f"{o.case}: {o.reason}" for o in outcomes if o.status == "failed"]
     assert not failed, "\n".join(failed)
     assert counts["passed"] >= MIN_PASSED[suite], lines[0]
+
+
+def test_onnx_light_zoo_on_openvino(tmp_path: Path) -> None:
+    """OpenVINO's engines of the light zoo (built with ``INFERENCE_PRECISION_HINT: f32`` and
+    imported with it again) reproduce the shipped outputs at the light zoo's tolerance."""
+    pytest.importorskip("openvino")
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(4)
+    fingerprint = detect_fingerprint()
+    outcomes = [zoo.run_case(case, fingerprint, tmp_path, backend="openvino")
+                for case in zoo.light_cases()]
+    counts = Counter(o.status for o in outcomes)
+    lines = [f"light on openvino: {len(outcomes)} models, " + ", ".join(
+        f"{counts[s]} {s}" for s in ("passed", "failed", "skipped", "unsupported"))]
+    lines += [f"  {o.status:11} {o.case}: {o.reason}" for o in outcomes
+              if o.status != "passed"]
+    print("\n".join(lines))
+    failed = [f"{o.case}: {o.reason}" for o in outcomes if o.status == "failed"]
+    assert not failed, "\n".join(failed)
+    assert counts["passed"] >= OPENVINO_MIN_PASSED, lines[0]

@@ -40,6 +40,8 @@ LIGHT_TOLERANCE = (1e-3, 1e-5)
 #: What Kiln says of a model whose graph inputs or outputs are sequences, maps or optionals.
 NOT_TENSORS = "Kiln compiles models whose inputs and outputs are tensors"
 DEFAULT_TOLERANCE = (1e-3, 1e-7)
+#: How a backend's refusal of an operator it cannot convert begins (its error code).
+UNSUPPORTED_OPERATOR = "unsupported_operator:"
 
 
 def data_root() -> Path:
@@ -209,14 +211,20 @@ def _short(exc: BaseException, limit: int = 110) -> str:
     return f"{type(exc).__name__}: {text[:limit]}"
 
 
-def run_case(case: Case, fingerprint, workdir: Path | None = None) -> Outcome:
-    """Compile ``case`` with Kiln and check the engine against the shipped outputs; a failure
-    is a skip when plain onnxruntime cannot do better (``onnxruntime_verdict``)."""
+def run_case(case: Case, fingerprint, workdir: Path | None = None, *,
+             backend: str | None = None) -> Outcome:
+    """Compile ``case`` with Kiln (with ``backend`` only, when given: the same verification
+    rules) and check the engine against the shipped outputs; a failure is a skip when plain
+    onnxruntime cannot do better (``onnxruntime_verdict``). A model ``backend`` cannot convert
+    is ``unsupported`` with the operator it names (its typed ``unsupported_operator``)."""
     start = time.perf_counter()
-    outcome = _compile_and_compare(case, fingerprint, workdir)
+    outcome = _compile_and_compare(case, fingerprint, workdir, backend)
     outcome.seconds = time.perf_counter() - start
     if outcome.status == "failed" and NOT_TENSORS in outcome.reason:
         outcome.status = "unsupported"  # by design: engines take and give tensors
+        return outcome
+    if outcome.status == "failed" and outcome.reason.startswith(UNSUPPORTED_OPERATOR):
+        outcome.status = "unsupported"  # that backend's typed refusal; others still compete
         return outcome
     if outcome.status == "failed":
         verdict = onnxruntime_verdict(case)
@@ -239,17 +247,18 @@ def _samples(case: Case) -> dict[str, np.ndarray] | None:
     return {name: a.astype(object) if a.dtype.kind in "US" else a for name, a in stacked.items()}
 
 
-def _compile_and_compare(case: Case, fingerprint, workdir: Path | None) -> Outcome:
+def _compile_and_compare(case: Case, fingerprint, workdir: Path | None,
+                         backend: str | None = None) -> Outcome:
     """Compile with generated inputs (Kiln's default); when that fails (a model whose inputs
     must hold particular values: shapes, axes, indices, non-zero divisors), compile again with
     the shipped inputs as the samples dataset, as a user of such a model would."""
-    generated = _compile_once(case, fingerprint, workdir, samples=None)
+    generated = _compile_once(case, fingerprint, workdir, samples=None, backend=backend)
     if generated.status != "failed" or generated.reason.startswith("engine output"):
         return generated
     samples = _samples(case)
     if samples is None:
         return generated
-    retried = _compile_once(case, fingerprint, workdir, samples=samples)
+    retried = _compile_once(case, fingerprint, workdir, samples=samples, backend=backend)
     retried.details["generated_inputs"] = generated.reason
     if retried.status == "passed":
         retried.reason = "verified on the shipped inputs as samples"
@@ -257,7 +266,7 @@ def _compile_and_compare(case: Case, fingerprint, workdir: Path | None) -> Outco
 
 
 def _compile_once(case: Case, fingerprint, workdir: Path | None,
-                  samples: dict[str, np.ndarray] | None) -> Outcome:
+                  samples: dict[str, np.ndarray] | None, backend: str | None = None) -> Outcome:
     from compiler_worker.pipeline import compile_model, write_artifact_dir
     from runtime_agent.executors import load_executor
     from schemas.options import CompileOptions, ShapeProfile
@@ -273,10 +282,13 @@ def _compile_once(case: Case, fingerprint, workdir: Path | None,
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
         try:
             options = CompileOptions(tune="off", verify_samples=1, benchmark_iterations=1,
-                                     shapes=shapes)
+                                     shapes=shapes, backends=[backend] if backend else [])
             result = compile_model(case.model.SerializeToString(), options,
                                    fingerprint=fingerprint, workdir=Path(tmp) / "work",
                                    samples=samples)
+            if backend is not None and result.manifest.backend != backend:
+                return Outcome(case.id, "failed", f"built by {result.manifest.backend}, not "
+                               f"{backend}")
             artifact = write_artifact_dir(result, Path(tmp) / "artifact")
             executor = load_executor(artifact, result.manifest)
             names = [spec.name for spec in result.manifest.outputs]
