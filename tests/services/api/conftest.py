@@ -11,6 +11,7 @@ from schemas.fingerprint import CpuInfo, HardwareFingerprint
 from services.api.app import create_app
 from services.api.auth import Role, mint_token
 from services.config import KilnSettings
+from tests.conftest import migrated_sqlite
 
 SECRET = "test-secret-0123456789abcdef-0123456789"
 
@@ -61,6 +62,11 @@ def bearer(role: Role = Role.ADMIN, *, agent: str | None = None, ttl_s: int = 36
 
 
 def make_settings(home: Path, **overrides) -> KilnSettings:
+    """Settings for an API on ``home``; without a ``database_url``, its default SQLite file
+    starts as a copy of the run's migrated template (the app's own migration then finds it at
+    head). The URL stays unset, so the settings still count the database as defaulted."""
+    if overrides.get("database_url") is None:
+        migrated_sqlite(home.resolve() / "kiln.db")
     overrides.setdefault("api_docs", True)
     # These tests set states up behind the API's back (artifacts recorded straight into the
     # database) and ask for desired state at once; the cache, which hears of such writes

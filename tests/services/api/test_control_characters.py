@@ -18,7 +18,7 @@ from tests.services.api.conftest import bearer, make_settings, registration
 def api(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TestClient]:
     overrides = {}
     if request.param == "postgresql":
-        overrides["database_url"] = request.getfixturevalue("postgres_url")
+        overrides["database_url"] = request.getfixturevalue("migrated_postgres_url")
     app = create_app(make_settings(tmp_path, **overrides))
     with TestClient(app, raise_server_exceptions=False) as client:
         client.headers["Authorization"] = bearer()

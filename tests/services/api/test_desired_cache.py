@@ -65,9 +65,9 @@ def seed_agents(api, count: int, *, selected_every: int) -> None:
 
 
 @pytest.fixture
-def pg_api(tmp_path, postgres_url):
+def pg_api(tmp_path, migrated_postgres_url):
     """The API on PostgreSQL (whose cursors count the rows a SELECT returns)."""
-    with TestClient(create_app(make_settings(tmp_path, database_url=postgres_url,
+    with TestClient(create_app(make_settings(tmp_path, database_url=migrated_postgres_url,
                                                    desired_state_cache_s=30)),
                     raise_server_exceptions=False) as client:
         client.headers["Authorization"] = bearer()
@@ -234,7 +234,7 @@ def test_minimal_heartbeats_are_written_in_batches(request, tmp_path, backend):
     latest of each agent in one UPDATE (executemany) per batch. An agent it has not seen is
     written at once, so one that never registered hears 404; a batch never goes back in time
     over a later full heartbeat; an agent whose row is gone is forgotten and told 404."""
-    overrides = ({"database_url": request.getfixturevalue("postgres_url")}
+    overrides = ({"database_url": request.getfixturevalue("migrated_postgres_url")}
                  if backend == "postgresql" else {})
     settings = make_settings(tmp_path, **overrides)
     with TestClient(create_app(settings), raise_server_exceptions=False) as api:

@@ -37,7 +37,7 @@ def gc_settings(request, tmp_path: Path) -> KilnSettings:
     if request.param == "postgres-s3":
         endpoint = request.getfixturevalue("s3_endpoint")
         bucket = request.getfixturevalue("s3_bucket")
-        overrides.update(database_url=request.getfixturevalue("postgres_url"),
+        overrides.update(database_url=request.getfixturevalue("migrated_postgres_url"),
                          store_uri=f"s3://{bucket}/kiln", s3_endpoint_url=endpoint)
     return make_settings(tmp_path, **overrides)
 

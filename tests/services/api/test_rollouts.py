@@ -31,7 +31,7 @@ def settings(request, tmp_path):
     # locks the controller takes are real on PostgreSQL.
     overrides = {"rollout_interval_s": 0}
     if request.param == "postgres":
-        overrides["database_url"] = request.getfixturevalue("postgres_url")
+        overrides["database_url"] = request.getfixturevalue("migrated_postgres_url")
     return make_settings(tmp_path, **overrides)
 
 
