@@ -87,7 +87,7 @@ from schemas.errors import (
     MetadataRefused,
     SignatureInvalid,
 )
-from schemas.fingerprint import HardwareFingerprint
+from schemas.fingerprint import HardwareFingerprint, unmet_requirements
 from schemas.manifest import ArtifactManifest
 from schemas.rollouts import GateResult, RolloutReport
 
@@ -807,6 +807,17 @@ class Agent:
     def check_runnable(self, manifest: ArtifactManifest) -> None:
         """Refuse an artifact this node cannot run correctly (before loading anything)."""
         executor_cls = executors.get(manifest.backend)
+        if manifest.requirements is not None:
+            # Signed requirements replace the key rule: what the winning engine needs.
+            unmet = unmet_requirements(manifest.requirements, self.fingerprint,
+                                       self.fingerprint_keys.get(manifest.backend))
+            if unmet:
+                raise FingerprintMismatch(
+                    f"artifact {manifest.artifact_id} requires {'; '.join(unmet)}, which this "
+                    f"node lacks; refused before loading it",
+                    reason="requirements_unmet", artifact_id=manifest.artifact_id,
+                    unmet=unmet, requirements=manifest.requirements.model_dump(mode="json"))
+            return
         if not executor_cls.compatible(manifest.build_fingerprint, self.fingerprint,
                                        manifest.runtime_config):
             raise FingerprintMismatch(

@@ -36,6 +36,8 @@ class ErrorCode(StrEnum):
     NO_VIABLE_CANDIDATE = "no_viable_candidate"
     BACKEND_UNAVAILABLE = "backend_unavailable"
     FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+    #: A declared fingerprint no machine has (AMX on aarch64, a level without its baseline).
+    FINGERPRINT_INCONSISTENT = "fingerprint_inconsistent"
     UNKNOWN_OPERATOR = "unknown_operator"
     #: A standard operator a backend's converter cannot translate (``details["op"]``, e.g.
     #: ``aten::kthvalue``): that backend builds nothing for the model; others still may.
@@ -91,6 +93,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NO_VIABLE_CANDIDATE: 422,
     ErrorCode.BACKEND_UNAVAILABLE: 422,
     ErrorCode.FINGERPRINT_MISMATCH: 409,
+    ErrorCode.FINGERPRINT_INCONSISTENT: 422,
     ErrorCode.UNKNOWN_OPERATOR: 422,
     ErrorCode.UNSUPPORTED_OPERATOR: 422,
     ErrorCode.PLUGIN_ERROR: 422,

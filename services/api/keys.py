@@ -11,13 +11,26 @@ from __future__ import annotations
 
 from runtime_agent.executors import node_compatibility_keys, node_fingerprint_keys, peer_backends
 from schemas.agents import AgentRegistration
-from schemas.errors import InvalidRequest, KilnError
+from schemas.errors import ErrorCode, InvalidRequest, KilnError
+from schemas.fingerprint import fingerprint_inconsistencies
+
+
+class FingerprintInconsistent(KilnError):
+    """A declared fingerprint whose features contradict its architecture or ISA level: the
+    request is well-formed but describes no machine (422)."""
+
+    code = ErrorCode.FINGERPRINT_INCONSISTENT
 
 
 def check_claimed_keys(registration: AgentRegistration) -> None:
     """``InvalidRequest`` (400) naming the first fingerprint or compatibility key of
     ``registration`` that the executors do not derive from its fingerprint."""
     fingerprint = registration.fingerprint
+    problems = fingerprint_inconsistencies(fingerprint)
+    if problems:
+        raise FingerprintInconsistent(
+            f"agent {registration.name!r} declares a fingerprint no {fingerprint.cpu.arch} CPU "
+            f"has: {'; '.join(problems)}", problems=problems, arch=fingerprint.cpu.arch)
     try:
         derived = node_fingerprint_keys(fingerprint)
         compatible = node_compatibility_keys(fingerprint)
