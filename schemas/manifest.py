@@ -27,7 +27,13 @@ SHA256_PATTERN = r"^[0-9a-f]{64}$"
 #: 1.1: the tuning table's noise figures (``TuningTable.noise``, ``CandidateResult.spread``).
 #: 1.2: the engine's ``requirements`` and ``tuning_context`` (absent from older manifests: such
 #: an engine requires exactly its build host's key, see ``legacy_requirements``).
-MANIFEST_SCHEMA_VERSION = "1.2"
+#: 1.3: ``deferred`` on the verification and the benchmark (an engine cross-compiled for an
+#: architecture the worker cannot run: the node's golden check verifies it).
+MANIFEST_SCHEMA_VERSION = "1.3"
+
+#: What a cross-compiled engine's verification and benchmark say: the worker could not run it,
+#: and emulation is never timed, so the node of its architecture decides.
+DEFERRED_TO_NODE = "deferred to node"
 
 ArtifactState = Literal["ready", "broken"]
 
@@ -74,6 +80,9 @@ class VerificationResult(BaseModel):
     rtol: float
     reference: str = Field(description="What produced the reference outputs")
     per_output: dict[str, dict[str, float]] = Field(default_factory=dict)
+    #: Set (``DEFERRED_TO_NODE``: why) when the worker could not run the engine: ``passed`` is
+    #: then false, and the agent's golden check on activation is mandatory and decides.
+    deferred: str | None = None
 
 
 class BenchmarkResult(BaseModel):
@@ -88,6 +97,8 @@ class BenchmarkResult(BaseModel):
     input_shapes: dict[str, list[int]] = Field(default_factory=dict)
     #: The same model on the unoptimized reference session, measured in the same run.
     reference_p50_ms: float | None = None
+    #: Set (why) when nothing was timed on the worker: the timings are zero and mean nothing.
+    deferred: str | None = None
 
 
 class ManifestSignature(BaseModel):
