@@ -503,6 +503,7 @@ def run_case(label: str, case: Case, args: argparse.Namespace, work: Path) -> No
                                   "threads": args.threads}
     if case.architecture in ("bert_base", "distilbert", "gpt2"):
         torch_spec["seq"] = case.seq
+    skip = set(args.skip)
     engines = [Engine("pytorch eager", "fp32 peer", torch_spec),
                Engine("torch.compile", "fp32 peer", {**torch_spec, "compile": True},
                       note="Inductor, default mode; prepare = first call (cold compile)")]
@@ -525,14 +526,18 @@ def run_case(label: str, case: Case, args: argparse.Namespace, work: Path) -> No
         print(f"[{label}] kiln build, precision {precision} ...", file=sys.stderr)
         engines.append(_kiln(blob, precision, case_dir / f"kiln-{precision}", arrays,
                              dataset_id))
-    if importlib.util.find_spec("iree.compiler") is not None:
+    if importlib.util.find_spec("iree.compiler") is not None and "kiln iree" not in skip:
         # IREE's llvm-cpu engines for this CPU, timed beside onnxruntime's: the tuner races
         # them only when a request names the backend, so this row says whether it should.
         print(f"[{label}] kiln build, backend iree ...", file=sys.stderr)
         engines.append(_kiln(blob, "fp32", case_dir / "kiln-iree", arrays, dataset_id,
                              backend="iree"))
-    print(f"[{label}] kiln build, torch.export → aotinductor ...", file=sys.stderr)
-    engines.append(_kiln_aoti(architecture, case_dir / "kiln-aoti", arrays, dataset_id))
+    if "kiln aotinductor" not in skip:
+        print(f"[{label}] kiln build, torch.export → aotinductor ...", file=sys.stderr)
+        engines.append(_kiln_aoti(architecture, case_dir / "kiln-aoti", arrays, dataset_id))
+    # Rows left out on request are dropped before any process loads them; the reference
+    # (ort L0) cannot be.
+    engines = [e for e in engines if e.name not in skip or e.name == "ort L0"]
 
     workers: dict[str, Worker] = {}
     try:
@@ -554,15 +559,23 @@ def run_case(label: str, case: Case, args: argparse.Namespace, work: Path) -> No
         for engine in live:
             outputs = workers[engine.name].ask("outputs", feeds)
             engine.accuracy, engine.gated = _accuracy(architecture.output, outputs, reference)
+        load = [os.getloadavg()[0]]
         for r in range(args.rounds):
             print(f"[{label}] round {r + 1}/{args.rounds}", file=sys.stderr)
             for i in range(len(live)):
                 engine = live[(i + r) % len(live)]
                 engine.times += workers[engine.name].ask("time", args.iters)
+            load.append(os.getloadavg()[0])
     finally:
         for worker in workers.values():
             worker.close()
     _print_case(label, case, model.exporter, size, rule, engines)
+    # The timing rounds keep one engine busy at a time, so a quiet machine reads about 1; a
+    # figure taken well above that shared the cores with something else and is no result.
+    print(f"\nLoad (1-minute average) over the timed rounds: {min(load):.2f}–{max(load):.2f} "
+          f"on {os.cpu_count()} logical CPUs"
+          + (" — **loaded: measure again on a quiet machine**"
+             if max(load) > 1.5 + 0.25 * (os.cpu_count() or 1) else ""))
 
 
 def _print_case(label: str, case: Case, exporter: str, size: str, rule: str,
@@ -624,6 +637,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=None, help="timed calls per round (20)")
     parser.add_argument("--quick", action="store_true",
                         help="small configs, 2 rounds of 5: a smoke run, not a measurement")
+    parser.add_argument("--skip", type=lambda v: [n.strip() for n in v.split(",") if n.strip()],
+                        default=[], help="engines to leave out, by row name, comma-separated "
+                        "(e.g. 'torch.compile,kiln aotinductor': their cold builds dominate "
+                        "a run's time)")
     parser.add_argument("--fp32-only", action="store_true",
                         help="skip the reduced-precision peers and Kiln's auto policy (a "
                              "shorter run)")
