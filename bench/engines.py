@@ -422,6 +422,13 @@ def _kiln(blob: Path, precision: str, workdir: Path, samples: dict[str, np.ndarr
                 f"({passed} passed), tuning {table.elapsed_s:.1f} s over {table.rounds} rounds")
         if winner is not None and winner.accuracy is not None:
             note += f"; gate {winner.accuracy_metric} {winner.accuracy:.4f}"
+        noise = table.noise
+        if noise is not None:  # what the manifest recorded of the host while it measured
+            busiest = max((x.busy for x in noise.samples), default=0.0)
+            note += (f"; noise: {noise.measurements} measurement(s), host busy ≤ "
+                     f"{busiest:.0%}, lock wait {noise.lock_wait_s:.1f} s, winner's spread "
+                     f"{noise.spread.get(table.winner or '', 0.0):.1%}, "
+                     f"{'separable' if noise.separable else 'not separable'}: {noise.verdict}")
     return Engine(name, "kiln", {"kind": "kiln", "artifact_dir": str(artifact)},
                   manifest.precision, build_s, note)
 
