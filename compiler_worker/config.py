@@ -11,9 +11,10 @@ import uuid
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Self
+from typing import Annotated, Any, Self
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic_settings import NoDecode
 
 from schemas.errors import ConfigError
 from services.config import SharedSettings
@@ -36,6 +37,11 @@ class WorkerSettings(SharedSettings):
     worker_workdir: Path | None = None
     #: Declared hardware (JSON of HardwareFingerprint) instead of detection.
     fingerprint_file: Path | None = None
+    #: Nodes of another architecture this worker cross-compiles for, comma-separated: an
+    #: architecture (``aarch64``) or a fingerprint file each (``compiler_worker.cross``). Their
+    #: keys are consumed and advertised beside the worker's own; their engines are verified by
+    #: the node's golden check, never run or timed here.
+    worker_cross_targets: Annotated[list[str], NoDecode] = Field(default_factory=list)
     #: Jobs one worker builds at once (Celery processes).
     worker_concurrency: int = Field(1, ge=1)
     #: Seconds between heartbeats. The control plane counts a worker lost after three missed
@@ -78,6 +84,13 @@ class WorkerSettings(SharedSettings):
 
     #: Whether the broker was left to its embedded default (not given in the environment).
     _broker_defaulted: bool = PrivateAttr(default=False)
+
+    @field_validator("worker_cross_targets", mode="before")
+    @classmethod
+    def _cross_targets(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> Self:

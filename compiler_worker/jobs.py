@@ -32,6 +32,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 
 from compiler_worker.config import WorkerSettings
 from compiler_worker.control import BuildClient
+from compiler_worker.cross import cross_targets
 from compiler_worker.pipeline import CompileResult, plan_build
 from compiler_worker.sandbox import Sandbox, limits_from
 from runtime_agent.fingerprint import resolve_fingerprint
@@ -112,6 +113,17 @@ class JobRunner:
     @cached_property
     def fingerprint(self) -> HardwareFingerprint:
         return resolve_fingerprint(self.settings.fingerprint_file)
+
+    @cached_property
+    def cross_targets(self) -> dict[str, HardwareFingerprint]:
+        """Fingerprint key → the declared node of another architecture it builds for
+        (``KILN_WORKER_CROSS_TARGETS``, ``compiler_worker.cross``)."""
+        return cross_targets(self.settings.worker_cross_targets, self.fingerprint)
+
+    def target_for(self, fingerprint_key: str) -> HardwareFingerprint:
+        """The hardware a job's engine is built for: a cross target's node for its key, else
+        this machine."""
+        return self.cross_targets.get(fingerprint_key, self.fingerprint)
 
     def job_dir(self, job_id: str) -> Path:
         """The job's work directory: deterministic, so a redelivery finds kept outputs."""
@@ -226,7 +238,8 @@ class JobRunner:
         (workdir / "model.download").unlink()
         plugins = self._plugins(job_id, model_bytes, workdir)
         try:
-            plan = plan_build(model_id, options, self.fingerprint, key=fingerprint_key,
+            plan = plan_build(model_id, options, self.target_for(fingerprint_key),
+                              key=fingerprint_key,
                               plugins=[ref for ref, _ in plugins],
                               model_format=model_format(model_bytes))
         except BackendUnavailable as exc:
@@ -242,7 +255,8 @@ class JobRunner:
         samples = self._dataset(job_id, options.samples, workdir)
         calibration = self._dataset(job_id, options.calibration, workdir)
         result = self.sandbox.compile_model(
-            model_bytes, options, fingerprint=self.fingerprint, workdir=workdir,
+            model_bytes, options, fingerprint=self.target_for(fingerprint_key),
+            workdir=workdir,
             on_stage=lambda stage, progress: self._stage(job_id, stage, progress),
             plugins=plugins, plan=plan, samples=samples, calibration=calibration,
             reuse=None if force else cache.tuning,

@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -44,6 +45,8 @@ from compiler_worker.passes.custom_op_shapes import fill_attribute_defaults
 from compiler_worker.tuner import tune
 from compiler_worker.verify import random_inputs, reference_custom_ops, reference_runner
 from runtime_agent.executors import MANIFEST_FILENAME, CustomOpAdapter, blob_filename
+from runtime_agent.fingerprint import detect_cpu
+from runtime_agent.golden import GOLDEN_BLOB
 from runtime_agent.plugins import (
     LoadedPlugin,
     NoImplementation,
@@ -65,12 +68,19 @@ from schemas.errors import (
 )
 from schemas.fingerprint import HardwareFingerprint
 from schemas.jobs import JobStage
-from schemas.manifest import ArtifactManifest, BenchmarkResult, TensorSpec, VerificationResult
+from schemas.manifest import (
+    DEFERRED_TO_NODE,
+    ArtifactManifest,
+    BenchmarkResult,
+    BlobRef,
+    TensorSpec,
+    VerificationResult,
+)
 from schemas.onnx_model import custom_ops
 from schemas.options import CompileOptions, ShapeProfile, Tune
 from schemas.plugins import PluginManifest, PluginRef
 from schemas.torch_export import TORCH_EXPORT_FORMAT, model_format
-from schemas.tuning import TuningTable
+from schemas.tuning import CandidateOutcome, CandidateResult, TuningTable
 
 __all__ = [
     "PIPELINE_VERSION",
@@ -691,6 +701,11 @@ def _tune_and_finish(
             created_at=datetime.now(UTC),
         )
 
+    if not runs_here(fingerprint):
+        return _cross_build(model_sha256, options, fingerprint=fingerprint, workdir=workdir,
+                            plan=plan, used=used, model_path=model_path, feeds=feeds,
+                            expected=expected, reference=reference, source=source,
+                            manifest_for=manifest_for)
     outcome = tune(
         plan.backend, model_path, options, workdir / "tuning", fingerprint=fingerprint,
         toolchain=plan.toolchain, manifest_for=manifest_for, feeds=feeds, expected=expected,
@@ -714,6 +729,88 @@ def _tune_and_finish(
     blob_paths = {ref.name: outcome.artifact_dir / blob_filename(ref) for ref in manifest.blobs}
     logger.info("artifact %s ready: %s, p50 %.3f ms (reference %.3f ms)", manifest.artifact_id,
                 outcome.table.winner, manifest.benchmark.p50_ms, reference_bench.p50_ms)
+    return CompileResult(manifest=manifest, blob_paths=blob_paths, plugin_paths=used.paths)
+
+
+def runs_here(fingerprint: HardwareFingerprint) -> bool:
+    """Whether an engine for ``fingerprint`` can run on this machine: the same architecture.
+    One for another (a declared aarch64 node's, cross-compiled) is built, never loaded here."""
+    return fingerprint.cpu.arch == detect_cpu().arch
+
+
+def _cross_build(
+    model_sha256: str,
+    options: CompileOptions,
+    *,
+    fingerprint: HardwareFingerprint,
+    workdir: Path,
+    plan: BuildPlan,
+    used: _Plugins,
+    model_path: Path,
+    feeds: list[dict[str, np.ndarray]],
+    expected: list[dict[str, np.ndarray]],
+    reference: _Reference,
+    source: str,
+    manifest_for: Callable[[BuiltEngine, Candidate, Backend], ArtifactManifest],
+) -> CompileResult:
+    """An engine for an architecture this worker cannot run: the plan's backend builds its
+    default candidate for ``fingerprint``, with no verification and no timing here (emulation
+    is never timed, and a winner cannot be picked without timings). The manifest says both
+    were deferred to the node, and carries the reference's golden outputs: the agent's golden
+    check on activation is then mandatory, and decides."""
+    backend = plan.backend
+    if not backend.cross_compiles:
+        raise InvalidOptions(
+            f"the {backend.name} backend does not cross-compile: it cannot build for a "
+            f"{fingerprint.cpu.arch} node on this {detect_cpu().arch} worker",
+            backend=backend.name, arch=fingerprint.cpu.arch)
+    why = (f"{DEFERRED_TO_NODE}: cross-compiled for {fingerprint.cpu.arch} on a "
+           f"{detect_cpu().arch} worker, which cannot run it")
+    offered = backend.candidates(fingerprint, options)
+    candidate = offered[0]
+    started = time.perf_counter()
+    built = backend.build(model_path, options, _fresh_dir(workdir / "cross" / "build"),
+                          fingerprint=fingerprint, candidate=candidate,
+                          custom_ops=used.adapter)
+    build_s = time.perf_counter() - started
+    artifact_dir = _fresh_dir(workdir / "cross" / "artifact")
+    refs = []
+    for name, path, media_type in built.blobs:
+        digest, size = sha256_file(Path(path))
+        ref = BlobRef(name=name, sha256=digest, size=size, media_type=media_type)
+        os.replace(path, artifact_dir / blob_filename(ref))
+        refs.append(ref)
+    results = [CandidateResult(name=candidate.name, backend=backend.name,
+                               config=dict(candidate.config), precision=candidate.precision,
+                               outcome=CandidateOutcome.WON, reason=why, build_s=build_s)]
+    results += [CandidateResult(name=c.name, backend=backend.name, config=dict(c.config),
+                                precision=c.precision, outcome=CandidateOutcome.SKIPPED,
+                                reason="not built: without timings on the node's hardware no "
+                                       "candidate can beat the default")
+                for c in offered[1:]]
+    table = TuningTable(fingerprint_key=plan.fingerprint_key, toolchain=plan.toolchain,
+                        winner=candidate.name, inputs=source, budget_s=options.tuning_budget_s,
+                        elapsed_s=build_s, rounds=0, candidates=results)
+    manifest = manifest_for(built, candidate, backend).model_copy(update={
+        "blobs": refs,
+        "verification": VerificationResult(
+            passed=False, samples=0, max_abs_error=0.0, max_rel_error=0.0,
+            atol=options.tolerance.atol, rtol=options.tolerance.rtol, reference=reference.name,
+            deferred=why),
+        "benchmark": BenchmarkResult(iterations=0, warmup=0, p50_ms=0.0, p90_ms=0.0,
+                                     mean_ms=0.0, min_ms=0.0, deferred=why),
+        "tuning": table,
+        "created_at": datetime.now(UTC),
+    })
+    manifest = add_golden(manifest, artifact_dir, feeds, expected)
+    if not any(ref.name == GOLDEN_BLOB for ref in manifest.blobs):
+        raise CompileError(
+            f"artifact {manifest.artifact_id}: a cross-compiled engine must carry golden "
+            f"samples (the node's check is its only verification), and this model's cannot "
+            f"be written (string tensors)")
+    logger.info("artifact %s ready: %s for %s, %s", manifest.artifact_id, candidate.name,
+                fingerprint.cpu.arch, why)
+    blob_paths = {ref.name: artifact_dir / blob_filename(ref) for ref in manifest.blobs}
     return CompileResult(manifest=manifest, blob_paths=blob_paths, plugin_paths=used.paths)
 
 

@@ -90,6 +90,13 @@ class Heartbeat:
         self.portable = portable_keys(runner.fingerprint)
         self.formats = model_formats(runner.fingerprint)
         self.precisions = precisions(runner.fingerprint)
+        # A cross target's keys are advertised as the worker's own (the planner routes that
+        # node's builds here), with what their backends take and build for them.
+        for target in {id(t): t for t in runner.cross_targets.values()}.values():
+            self.formats.update({k: v for k, v in model_formats(target).items()
+                                 if k in runner.cross_targets})
+            self.precisions.update({k: v for k, v in precisions(target).items()
+                                    if k in runner.cross_targets})
         self.interval_s = runner.settings.worker_heartbeat_s
         self._stop = threading.Event()
         self._first_wait = self.interval_s
@@ -199,6 +206,7 @@ def run_worker(*, concurrency: int | None = None, pool: str = "prefork",
     runner = JobRunner(settings)
     runner.builds  # noqa: B018  (refuse to start without the control plane's URL and a token)
     keys = fingerprint_keys(runner.fingerprint)
+    keys += [k for k in runner.cross_targets if k not in keys]
     if not keys:
         raise SystemExit(f"no registered backend supports this machine: {runner.fingerprint}")
     queues = [queue_for(k) for k in keys]

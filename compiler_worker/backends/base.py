@@ -107,6 +107,10 @@ class Backend(ABC):
     #: backend (``pipeline.peers_for``); a backend whose every candidate is a long compile
     #: that loses on this kind of worker races only when named.
     races_unnamed: ClassVar[bool] = True
+    #: Whether it builds engines for another architecture than the worker's (a cross-compiling
+    #: worker's declared targets, ``KILN_WORKER_CROSS_TARGETS``): built there, verified by the
+    #: node's golden check (``pipeline.runs_here``).
+    cross_compiles: ClassVar[bool] = False
 
     @property
     def accepts_plugins(self) -> bool:

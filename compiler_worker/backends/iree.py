@@ -109,6 +109,7 @@ class IreeBackend(Backend):
     #: (bench/engines.py): its candidates race in another backend's tuning only when a request
     #: names it. Its own key's jobs (an arm64 node's) tune it alone.
     races_unnamed = False
+    cross_compiles = True
 
     def toolchain(self) -> str:
         version = compiler_version()
