@@ -89,7 +89,7 @@ from schemas.errors import (
 )
 from schemas.fingerprint import HardwareFingerprint, unmet_requirements
 from schemas.manifest import ArtifactManifest
-from schemas.rollouts import GateResult, RolloutReport
+from schemas.rollouts import EMULATED_SOURCE, GateResult, RolloutReport, emulated_latency
 
 if TYPE_CHECKING:
     from runtime_agent.grpc_server import GrpcServer
@@ -137,6 +137,8 @@ class Agent:
         self.trust = settings.trust()
         if fingerprint is None:
             fingerprint = resolve_fingerprint(settings.fingerprint_file)
+        if settings.emulated:  # the control plane must know its timings are not the chip's
+            fingerprint = fingerprint.model_copy(update={"source": EMULATED_SOURCE})
         self.fingerprint = fingerprint
         self.fingerprint_keys = node_fingerprint_keys(fingerprint)
         self.models = ModelTable()
@@ -677,17 +679,24 @@ class Agent:
                                     max_rel_error=_finite(d["max_rel_error"]),
                                     detail=exc.message[:1000])
                 p50_ms = d["p50_ms"]
+        elif manifest.verification.deferred:  # never verified anywhere: the check decides
+            raise GoldenCheckFailed(
+                f"artifact {manifest.artifact_id}: its verification was deferred to the node "
+                f"({manifest.verification.deferred}), but it carries no golden samples to "
+                f"check; it is not served", artifact_id=manifest.artifact_id)
         else:
             golden = GateResult(name="golden", passed=True,
                                 detail="the artifact carries no golden samples")
             p50_ms = None
-        if p50_ms is not None:
+        if p50_ms is not None and not self.settings.emulated:
             golden = golden.model_copy(update={"p50_ms": p50_ms})
         if wanted.rollout_id is not None:
             with self._lock:
                 self._golden[(wanted.rollout_id, manifest.artifact_id)] = golden
             gates = [golden]
-            if p50_ms is not None and manifest.benchmark.p50_ms > 0:
+            if self.settings.emulated:
+                gates.append(emulated_latency())
+            elif p50_ms is not None and manifest.benchmark.p50_ms > 0:
                 gates.append(GateResult(name="latency", passed=True, p50_ms=p50_ms,
                                         benchmark_p50_ms=manifest.benchmark.p50_ms))
             with self._lock:
@@ -717,7 +726,9 @@ class Agent:
                                         requests=int(stats["count"] or 0),
                                         errors=int(stats["errors"] or 0))]
             p50 = stats["p50_ms"] if stats["p50_ms"] is not None else golden.p50_ms
-            if p50 is not None and served.manifest.benchmark.p50_ms > 0:
+            if self.settings.emulated:
+                gates.append(emulated_latency())
+            elif p50 is not None and served.manifest.benchmark.p50_ms > 0:
                 gates.append(GateResult(name="latency", passed=True, p50_ms=p50,
                                         benchmark_p50_ms=served.manifest.benchmark.p50_ms))
             with self._lock:

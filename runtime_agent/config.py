@@ -109,6 +109,11 @@ class AgentSettings(BaseSettings):
     serve_keep_alive_s: float = Field(5.0, gt=0)
     #: A declared ``HardwareFingerprint`` (JSON) instead of detection.
     fingerprint_file: Path | None = None
+    #: This agent runs under emulation (qemu-user: ``deploy/arm64/python`` sets it). Its
+    #: fingerprint says so (``source`` ``emulated``) and its latencies are never compared
+    #: with native ones: its rollout latency results carry no figures, only that they were
+    #: emulated.
+    emulated: bool = False
     #: Root public keys (Ed25519, PEM files): the agent follows the control plane's root
     #: metadata from them to the current online key, so rotating that key needs no change
     #: here (the embedded stack's is ``$KILN_HOME/root.key.pub``).

@@ -173,6 +173,18 @@ class GateResult(BaseModel):
     requests: int | None = Field(None, ge=0)
     errors: int | None = Field(None, ge=0)
     detail: str | None = Field(None, max_length=1000)
+    #: Measured under emulation (``KILN_AGENT_EMULATED``): a latency result then carries no
+    #: figures, and the latency gate does not compare it with the build host's benchmark.
+    emulated: bool = False
+
+    @model_validator(mode="after")
+    def _no_emulated_timings(self) -> GateResult:
+        if self.emulated and (self.p50_ms is not None or self.benchmark_p50_ms is not None):
+            raise ValueError(
+                f"a {self.name} result measured under emulation carries no p50: emulated "
+                f"timings are never compared with native ones (got p50_ms={self.p50_ms}, "
+                f"benchmark_p50_ms={self.benchmark_p50_ms})")
+        return self
 
 
 class RolloutReport(BaseModel):
@@ -220,3 +232,14 @@ class Rollout(BaseModel):
     reason: str | None = None
     created_at: datetime
     updated_at: datetime
+
+
+#: ``HardwareFingerprint.source`` of an agent that runs under emulation (qemu-user).
+EMULATED_SOURCE = "emulated"
+
+
+def emulated_latency() -> GateResult:
+    """What an emulated agent reports for the latency gate: that it was emulated, no figure."""
+    return GateResult(name="latency", passed=True, emulated=True,
+                      detail="measured under emulation: not compared with the build host's "
+                             "benchmark (emulated timings say nothing of the chip)")
