@@ -458,3 +458,42 @@ def resolve_fingerprint(file: Path | None = None) -> HardwareFingerprint:
         return detect_fingerprint()
     declared = _read_declaration(Path(file))
     return merge_fingerprint(detect_fingerprint(), declared, origin=str(file))
+
+
+#: The variants ``declare_variant`` stands up on one machine (``kiln fingerprint --variant``).
+VARIANTS = ("no-vnni", "no-amx-bf16", "cores=N", "older", "aarch64")
+_VNNI = {"avx512_vnni", "avx_vnni", "amx_int8"}
+_AMX_BF16 = {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16"}
+
+
+def declare_variant(fingerprint: HardwareFingerprint, variant: str) -> HardwareFingerprint:
+    """``fingerprint`` as another chip variant would detect itself, marked ``declared``:
+    ``no-vnni`` (no int8 dot-product instruction), ``no-amx-bf16`` (no AMX, no AVX-512 BF16),
+    ``cores=N``, ``older`` (one x86-64 level down, ``older_variant``), ``aarch64`` (a
+    Neoverse-N1: NEON, FP16, dot product). Engines built by a worker that declares one still
+    run on this machine's real ISA: it stands up routing, requirements and retuning, not the
+    variant's kernels. ``ValueError`` naming the known variants otherwise."""
+    variant = variant.strip().lower()
+    declared = fingerprint.model_copy(deep=True)
+    declared.source = "declared"
+    cpu = declared.cpu
+    if variant == "older":
+        return older_variant(fingerprint)
+    if variant in ("no-vnni", "no-amx-bf16"):
+        drop = _VNNI if variant == "no-vnni" else _AMX_BF16
+        cpu.features = [f for f in cpu.features if f not in drop]
+    elif variant.startswith("cores="):
+        try:
+            cpu.cores = int(variant.removeprefix("cores="))
+        except ValueError:
+            cpu.cores = -1
+        if cpu.cores < 1:
+            raise ValueError(f"variant {variant!r}: cores=N needs a positive integer N")
+    elif variant == "aarch64":
+        cpu.arch, cpu.vendor, cpu.model = "aarch64", "ARM", "Neoverse-N1"
+        cpu.features = ["dotprod", "fp16", "neon"]
+    else:
+        raise ValueError(f"unknown variant {variant!r}; known variants are {list(VARIANTS)}")
+    if variant != "aarch64":
+        cpu.model = f"{fingerprint.cpu.model} (declared {variant})".strip()
+    return declared

@@ -260,12 +260,14 @@ def context_differences(context: TuningContext, fingerprint: HardwareFingerprint
 
 
 def context_slug(context_diffs_of: HardwareFingerprint, context: TuningContext) -> str:
-    """A short key suffix naming the node's own tuning context in what the engine's
-    candidates depend on: ``t-c17-64`` (core class), ``t-novnni`` style features."""
+    """A short key suffix naming the node's own tuning context where it differs from
+    ``context`` in what the candidates depend on: ``t-c17-64`` (its core class, where threads
+    were tuned), then each differing feature (``noavx512vnni``)."""
     features = {f.lower() for f in context_diffs_of.cpu.features}
     parts = ["t"]
     if context.threads_tuned:
         parts.append(core_class(context_diffs_of.cpu.cores).replace("+", "plus"))
+    built = set(context.features)
     parts += [f.replace("_", "") if f in features else f"no{f.replace('_', '')}"
-              for f in sorted(context.depends_on)]
+              for f in sorted(context.depends_on) if (f in features) != (f in built)]
     return "-".join(parts)

@@ -41,6 +41,13 @@ from sqlalchemy.orm import Session
 from schemas import CompileJob, CompileOptions, JobStatus
 from schemas.agents import AgentInfo, DesiredModel, DesiredState
 from schemas.deployments import Deployment
+from schemas.fingerprint import (
+    HardwareFingerprint,
+    TuningContext,
+    context_differences,
+    context_slug,
+    unmet_requirements,
+)
 from schemas.fleet import DeploymentCoverage, FleetKey, FleetSummary
 from schemas.options import Portability
 from schemas.rollouts import Rollout
@@ -72,12 +79,21 @@ class AgentProfile:
     admitted: frozenset[str] = frozenset()
     #: (artifact id, why) of each artifact the agent refused under its present keys, sorted.
     refused: tuple[tuple[str, str], ...] = ()
+    #: The agent's fingerprint as canonical JSON (engines' signed requirements and tuning
+    #: contexts are checked against it); empty where it is not known (``ensure_builds``).
+    hardware: str = ""
+
+    def fingerprint(self) -> HardwareFingerprint | None:
+        return HardwareFingerprint.model_validate_json(self.hardware) if self.hardware else None
 
     @classmethod
     def of(cls, agent: AgentInfo, rollouts: Iterable[Rollout] = ()) -> AgentProfile:
         return cls(labels=dict(agent.labels), fingerprint_keys=dict(agent.fingerprint_keys),
                    compatibility_keys={k: list(v) for k, v in agent.compatibility_keys.items()},
-                   name=agent.name, refused=refusals(agent)).admitted_by(rollouts)
+                   name=agent.name, refused=refusals(agent),
+                   hardware=json.dumps(agent.fingerprint.model_dump(
+                       mode="json", exclude={"os", "source"}), sort_keys=True),
+                   ).admitted_by(rollouts)
 
     def admitted_by(self, rollouts: Iterable[Rollout]) -> AgentProfile:
         """This profile with the active ``rollouts`` that admitted its agent."""
@@ -89,7 +105,8 @@ class AgentProfile:
     def key(self) -> str:
         """Equal for equal profiles, whatever the agent's name."""
         return json.dumps([self.labels, self.fingerprint_keys, self.compatibility_keys,
-                           sorted(self.admitted), [a for a, _ in self.refused]],
+                           sorted(self.admitted), [a for a, _ in self.refused],
+                           self.hardware],
                           sort_keys=True, separators=(",", ":"))
 
 
@@ -317,9 +334,35 @@ class Planner:
         refused = dict(agent.refused)
         #: This model's artifacts looked at (the refusals of others are not this answer's).
         seen = {a.id for a in exact.values()}
-        usable = [Usable(exact[k], "exact") for _, k in pairs
-                  if k in exact and exact[k].id not in refused]
         jobs: dict[str, CompileJob] = {}
+        # An engine is served only where its signed requirements hold (one that lacks them is
+        # refused here as the agent would refuse it); where they hold but the node differs in
+        # what decided the winner, it is served as compatible. Either way the node's own
+        # tuning is queued, under a key naming its context (the same key would be a cache hit).
+        fingerprint = agent.fingerprint()
+        manifests = ({a.id: m for a, m in repo.model_manifests(self.session, model_id=model_id)}
+                     if fingerprint is not None else {})
+        tiers: dict[str, str] = {}
+        for b, k in pairs:
+            manifest = manifests.get(exact[k].id) if k in exact else None
+            if manifest is None or manifest.requirements is None or exact[k].id in refused:
+                tiers[k] = "exact"
+                continue
+            unmet = unmet_requirements(manifest.requirements, fingerprint, k)
+            diffs = (context_differences(manifest.tuning_context, fingerprint)
+                     if manifest.tuning_context is not None else [])
+            if unmet or diffs:
+                context = manifest.tuning_context or TuningContext()
+                retune = f"{k}-{context_slug(fingerprint, context)}"[:200]
+                jobs[b] = self.build(model_id, deployment.options, retune)
+                logger.info("agent %s: artifact %s %s; queued its own tuning for %s",
+                            agent.name, exact[k].id, f"requires {unmet}" if unmet
+                            else f"was tuned for another context ({diffs})", retune)
+            if unmet:
+                refused[exact[k].id] = "requirements unmet: " + "; ".join(unmet)
+            tiers[k] = "compatible" if diffs else "exact"
+        usable = [Usable(exact[k], tiers[k]) for _, k in pairs
+                  if k in exact and exact[k].id not in refused]
         current = repo.plugins_current_many(
             self.session, artifact_ids=[a.id for a in exact.values()])
         for b, k in pairs:
@@ -345,7 +388,8 @@ class Planner:
                 seen.update(a.id for a in found)
                 usable = [Usable(a, tier) for a in found
                           if a.backend in compat and a.compatibility_key in compat[a.backend]
-                          and a.id not in refused]
+                          and a.id not in refused
+                          and self._runs(a.id, fingerprint, manifests)]
                 if usable:
                     break
             else:
@@ -373,6 +417,17 @@ class Planner:
             update.update(job_id=job.id, retry_at=job.retry_at if chosen.tier != "exact"
                           else None)
         return desired.model_copy(update=update)
+
+    def _runs(self, artifact_id: str, fingerprint: HardwareFingerprint | None,
+              manifests: dict) -> bool:
+        """Whether the artifact's signed requirements hold on ``fingerprint`` (one without
+        them keeps the key rule it was found by, as before they existed)."""
+        if fingerprint is None:
+            return True
+        manifest = manifests.get(artifact_id) or repo.get_manifest(
+            self.session, artifact_id=artifact_id)
+        return (manifest.requirements is None
+                or not unmet_requirements(manifest.requirements, fingerprint))
 
     def commit(self) -> None:
         self.session.commit()

@@ -1,0 +1,100 @@
+"""The variant matrix through the control plane: six declared variants of one SPR-like host x
+an fp32, an int8 and a bf16 engine built on that host. Each agent registers through the real
+API (SQLite, real planner, signed desired state); the test checks the tier it is served at,
+whether the engine's requirements refuse it, and whether its own tuning is queued.
+
+The engines' manifests are written by the test and recorded straight in the database: this
+machine has neither VNNI nor AMX/BF16, so an int8 engine without reduce_range and a bf16
+engine cannot be built here for real. Their requirements and tuning contexts are the ones the
+onnxruntime executor derives (the bf16 one is written as OpenVINO's bf16 needs it); no engine
+binary is executed. ``tests/schemas/test_requirements.py`` checks the rules one by one."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.examples import mlp
+from runtime_agent.executors import (
+    OnnxRuntimeExecutor,
+    node_compatibility_keys,
+    node_fingerprint_keys,
+)
+from runtime_agent.fingerprint import declare_variant
+from schemas.fingerprint import CpuInfo, EngineRequirements, HardwareFingerprint, TuningContext
+from services.db import make_engine, make_session_factory, repo, session_scope
+from tests.services.api.test_api import upload
+from tests.services.api.test_fleet import deploy, settings, signed_state  # noqa: F401
+from tests.services.db.helpers import manifest
+
+V4 = ["ssse3", "sse4_1", "sse4_2", "popcnt", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2",
+      "avx512f", "avx512cd", "avx512dq", "avx512bw", "avx512vl"]
+HOST = HardwareFingerprint(
+    cpu=CpuInfo(arch="x86_64", vendor="GenuineIntel", model="declared SPR-like", cores=2,
+                features=[*V4, "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile",
+                          "amx_bf16", "amx_int8"]),
+    runtimes={"onnxruntime": "1.32.0"}, source="declared")
+KEY = OnnxRuntimeExecutor.fingerprint_key(HOST)
+VARIANTS = {"host": HOST, **{v: declare_variant(HOST, v) for v in (
+    "no-vnni", "no-amx-bf16", "cores=64", "older", "aarch64")}}
+
+_INT8 = {"optimization_level": 3, "quantize": "static-qdq", "reduce_range": False}
+ENGINES = {
+    "fp32": (OnnxRuntimeExecutor.requirements(HOST, {"optimization_level": 3}, "fp32"),
+             OnnxRuntimeExecutor.tuning_context(HOST, {}, "fp32", threads_tuned=True)),
+    "int8": (OnnxRuntimeExecutor.requirements(HOST, _INT8, "int8-static-qdq"),
+             OnnxRuntimeExecutor.tuning_context(HOST, _INT8, "int8", threads_tuned=True)),
+    "bf16": (EngineRequirements(arch="x86_64", isa_level="x86-64-v4",
+                                features=["amx_bf16|avx512_bf16"],
+                                runtimes={"onnxruntime": "1.32"}),
+             TuningContext(cpu_model=HOST.cpu.model, cores=2, core_class="c1-4",
+                           depends_on=["amx_bf16", "avx512_bf16"],
+                           features=["amx_bf16", "avx512_bf16"])),
+}
+
+# variant -> engine -> (tier served ("none": no engine), refused by its requirements, own tuning queued)
+EXPECTED = {
+    "host":        {"fp32": ("exact", False, False), "int8": ("exact", False, False),
+                    "bf16": ("exact", False, False)},
+    "no-vnni":     {"fp32": ("exact", False, False), "int8": ("none", True, True),
+                    "bf16": ("exact", False, False)},
+    "no-amx-bf16": {"fp32": ("exact", False, False), "int8": ("compatible", False, True),
+                    "bf16": ("none", True, True)},
+    "cores=64":    {"fp32": ("compatible", False, True), "int8": ("exact", False, False),
+                    "bf16": ("exact", False, False)},
+    "older":       {"fp32": ("none", False, False), "int8": ("none", False, False),
+                    "bf16": ("none", False, False)},
+    "aarch64":     {"fp32": ("none", False, False), "int8": ("none", False, False),
+                    "bf16": ("none", False, False)},
+}
+
+
+def _register(api, name: str, fingerprint: HardwareFingerprint) -> dict:
+    return signed_state(api, api.post("/v1/agents", json={
+        "name": name, "labels": {"matrix": "yes"},
+        "fingerprint": fingerprint.model_dump(mode="json"),
+        "fingerprint_keys": node_fingerprint_keys(fingerprint),
+        "compatibility_keys": node_compatibility_keys(fingerprint)}))
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_variant_matrix(api, settings, engine):  # noqa: F811
+    requirements, context = ENGINES[engine]
+    model_id = upload(api, mlp().SerializeToString()).json()["id"]
+    recorded = manifest(model_id, fingerprint_key=KEY).model_copy(update={
+        "build_fingerprint": HOST, "requirements": requirements, "tuning_context": context})
+    factory = make_session_factory(make_engine(settings.database_url))
+    with session_scope(factory) as session:
+        artifact, _ = repo.record_artifact(session, model_id=model_id, manifest=recorded)
+    assert deploy(api, "matrix", model_id, {"matrix": "yes"}).status_code == 201
+    before: set[str] = set()
+    for variant, fingerprint in VARIANTS.items():
+        tier, refused, retune = EXPECTED[variant][engine]
+        [model] = _register(api, variant.replace("=", "-"), fingerprint)["models"]
+        assert model.get("tier") == tier, (variant, model)
+        assert (model.get("artifact_id") == artifact.id) == (tier != "none"), (variant, model)
+        choice = (model.get("choice") or {}).get("message", "")
+        assert ("requirements unmet" in choice) == refused, (variant, choice)
+        key = node_fingerprint_keys(fingerprint).get("onnxruntime")
+        jobs = {j["fingerprint_key"] for j in api.get("/v1/compile-jobs").json()}
+        new, before = jobs - before, jobs
+        assert any(j.startswith(f"{key}-t-") for j in new) == retune, (variant, new)
