@@ -51,7 +51,8 @@ ENGINES = {
                            features=["amx_bf16", "avx512_bf16"])),
 }
 
-# variant -> engine -> (tier served ("none": no engine), refused by its requirements, own tuning queued)
+# variant -> engine -> (tier served, "none" for no engine; refused by its requirements;
+# own tuning queued)
 EXPECTED = {
     "host":        {"fp32": ("exact", False, False), "int8": ("exact", False, False),
                     "bf16": ("exact", False, False)},
