@@ -1384,6 +1384,9 @@ def fingerprint(
     older_variant: Annotated[bool, typer.Option(
         "--older-variant", help="print this machine one x86-64 level down, declared: a file "
         "for --fingerprint-file that stands a second chip variant up on this machine")] = False,
+    variant: Annotated[list[str] | None, typer.Option(
+        "--variant", help="declare a chip variant of this machine, applied in order "
+        "(repeatable): no-vnni, no-amx-bf16, cores=N, older, aarch64")] = None,
 ) -> None:
     """Print this machine's hardware fingerprint as JSON."""
     from runtime_agent import fingerprint as fingerprints
@@ -1395,6 +1398,11 @@ def fingerprint(
             fp = fingerprints.older_variant(fp)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--older-variant") from exc
+    for name in variant or []:
+        try:
+            fp = fingerprints.declare_variant(fp, name)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--variant") from exc
     console.print_json(fp.model_dump_json())
     # The keys go to stderr: stdout stays a fingerprint file (``--fingerprint-file``).
     table = Table("backend", "fingerprint key (kiln artifacts --fingerprint KEY)",
