@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from artifact_store.digest import sha256_file
 from schemas.errors import IntegrityError, InvalidRequest
-from schemas.plugins import PluginFile, PluginManifest
+from schemas.plugins import PluginFile, PluginManifest, parse_plugin_manifest
 
 MANIFEST_NAME = "plugin.json"
 #: Refuse archives that unpack beyond this (a zip bomb is no plugin).
@@ -95,7 +95,7 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 def _parse_manifest(data: bytes, where: str) -> PluginManifest:
     try:
-        return PluginManifest.model_validate(json.loads(data))
+        return parse_plugin_manifest(json.loads(data))
     except (ValueError, ValidationError) as exc:
         raise InvalidRequest(f"{where} is not a valid plugin manifest: {exc}") from exc
 

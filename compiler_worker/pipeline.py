@@ -276,6 +276,10 @@ def _fresh_dir(path: Path) -> Path:
     return path
 
 
+#: Where the verification reference runs a model's custom ops.
+REFERENCE_TARGET = ("onnxruntime", "cpu")
+
+
 @dataclass
 class _Plugins:
     """The plugins a compile uses: loaded, their ops, and what the sessions register."""
@@ -287,6 +291,8 @@ class _Plugins:
     #: What the backend's build registers for the model's custom ops.
     adapter: CustomOpAdapter | None = None
     ops: set[str] = field(default_factory=set)
+    #: The same plugins loaded for the reference's onnxruntime session.
+    reference: list[LoadedPlugin] = field(default_factory=list)
 
 
 def _prepare_plugins(model_ops: set[str], plugins: Sequence[tuple[PluginRef, Path]],
@@ -353,15 +359,24 @@ def _prepare_plugins(model_ops: set[str], plugins: Sequence[tuple[PluginRef, Pat
     used = {id(entry): entry for op, entry in provider.items() if op in model_ops}
     result = _Plugins()
     abi = backend.plugin_abi()
+    target = (backend.executor.plugin_backend or backend.name, device)
     for ref, archive, manifest in sorted(used.values(), key=lambda e: e[0].name):
         ops = sorted(op for op in model_ops if provider[op][2] is manifest)
-        target = (backend.executor.plugin_backend or backend.name, device)
         result.loaded.append(load_bundle(archive, ref, root, target=target,
                                          abi=abi, ops=ops))
         result.refs.append(ref)
         result.paths[ref.digest] = archive
     result.registry = OpRegistry.union(p.registry for p in result.loaded)
     result.adapter = backend.custom_op_adapter(result.loaded, model_ops)
+    result.reference = result.loaded
+    if target != REFERENCE_TARGET:
+        # The reference runs on onnxruntime's CPU provider whatever the engine's backend
+        # (an OpenVINO engine runs the bundle's extension; the reference its onnxruntime
+        # kernels): load those too, by the same checks.
+        result.reference = [
+            load_bundle(result.paths[p.digest], p.ref, root, target=REFERENCE_TARGET,
+                        abi=None, ops=sorted(set(p.ops()) & model_ops))
+            for p in result.loaded]
     result.ops = set(model_ops)
     logger.info("custom ops %s from plugins %s", sorted(model_ops),
                 [f"{r.name} {r.version}" for r in result.refs])
@@ -532,7 +547,7 @@ def _compile(
     stages.enter(JobStage.BUILDING)
     output_names = [spec.name for spec in outputs]
     reference = reference_runner(submitted, prepared, output_names,
-                                 custom_ops=reference_custom_ops(used.loaded, used.ops))
+                                 custom_ops=reference_custom_ops(used.reference, used.ops))
     expected = [reference.run(feed) for feed in feeds]
 
     return _tune_and_finish(

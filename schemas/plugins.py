@@ -4,6 +4,11 @@ A plugin bundle is a folder packed as a tar archive: ``plugin.json`` (a ``Plugin
 plus the files it lists (Python modules, shared libraries). It is content-addressed: its
 digest is the sha256 of the archive. Artifacts name the bundles they need by name, version
 and digest (``PluginRef``), inside their signed manifest.
+
+``plugin.json`` is versioned ``"MAJOR.MINOR"`` (``schemas._versioned``); the first bundles wrote
+the integer ``1``, read as ``1.0``. 1.1 adds ``Implementation.frontends``: an OpenVINO extension
+library names the model formats whose front end it has conversion rules for. A manifest that
+uses it is written as 1.1; one that does not keeps the version it says.
 """
 
 from __future__ import annotations
@@ -12,11 +17,17 @@ import re
 from datetime import datetime
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from schemas._versioned import parse_version, validate_versioned, version_field
 
 PLUGIN_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 VERSION_PATTERN = r"^[0-9]+(\.[0-9]+){0,2}([.+-][0-9A-Za-z.-]+)?$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+#: The ``plugin.json`` version this code writes and reads (see the module docstring).
+PLUGIN_SCHEMA_VERSION = "1.1"
+#: Model formats an OpenVINO extension may have front-end conversion rules for.
+Frontend = Literal["onnx", "torch-export"]
 #: ``module:function`` inside the bundle.
 ENTRY_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
 
@@ -87,6 +98,9 @@ class Implementation(BaseModel):
     entry: str
     #: native only: the ABI the library was built for, e.g. ``linux-x86_64/ort-api-17``.
     abi: str | None = None
+    #: openvino extensions only (schema 1.1): the model formats whose OpenVINO front end the
+    #: library has conversion rules for (``ov::frontend::onnx::OpExtension`` → ``onnx``).
+    frontends: list[Frontend] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _entry_fits_kind(self) -> Self:
@@ -96,6 +110,13 @@ class Implementation(BaseModel):
         if self.kind == "native" and not self.abi:
             raise ValueError("a native implementation must declare its abi "
                              "(e.g. linux-x86_64/ort-api-17)")
+        if self.backend == "openvino" and self.kind == "native" and not self.frontends:
+            raise ValueError(
+                f"the openvino extension {self.entry!r} must name the front ends it converts "
+                f"its ops for (frontends: [\"onnx\"] for ov::frontend::onnx::OpExtension)")
+        if self.frontends and self.backend != "openvino":
+            raise ValueError(f"frontends names OpenVINO front ends; implementation "
+                             f"{self.entry!r} is for backend {self.backend!r}")
         return self
 
 
@@ -113,7 +134,8 @@ class PluginManifest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: int = 1
+    #: ``"MAJOR.MINOR"``; the integer ``1`` of the first bundles reads as ``"1.0"``.
+    schema_version: str = "1.0"
     name: str = Field(pattern=PLUGIN_NAME_PATTERN)
     version: str = Field(pattern=VERSION_PATTERN)
     description: str = ""
@@ -122,6 +144,11 @@ class PluginManifest(BaseModel):
     files: list[PluginFile] = Field(default_factory=list)
     #: Python requirements of the implementations (e.g. ``onnxruntime-extensions>=0.12``).
     requires: list[str] = Field(default_factory=list)
+
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _version(cls, value: object) -> str:
+        return version_field(value, what="a plugin manifest")
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -133,10 +160,21 @@ class PluginManifest(BaseModel):
             if unknown:
                 raise ValueError(f"implementation {impl.entry!r} names ops the plugin does not "
                                  f"declare: {unknown}; declared: {sorted(declared)}")
+        if (any(impl.frontends for impl in self.implementations)
+                and parse_version(self.schema_version, what="a plugin manifest") < (1, 1)):
+            # A 1.1 field: the document says so, so that a reader knows what it holds.
+            self.schema_version = "1.1"
         return self
 
     def implementations_for(self, op: str) -> list[Implementation]:
         return [impl for impl in self.implementations if op in impl.ops]
+
+
+def parse_plugin_manifest(data: dict[str, Any]) -> PluginManifest:
+    """A decoded ``plugin.json``, honouring its ``schema_version`` (``SchemaUnsupported`` for a
+    newer major; fields a newer minor added are ignored)."""
+    return validate_versioned(PluginManifest, data, current=PLUGIN_SCHEMA_VERSION,
+                              what="plugin manifest")
 
 
 class PluginRef(BaseModel):

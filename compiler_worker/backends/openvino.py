@@ -40,10 +40,17 @@ version and on the CPU ISA that compiled it (the key says both; see the executor
 fp16 inference is not offered on CPU here. Intel GPUs (OpenVINO's ``GPU`` device) are out of
 scope.
 
-Custom ops: OpenVINO loads custom operations as extensions (``Core.add_extension``), but no
-plugin bundle Kiln takes declares an OpenVINO implementation yet, so this backend builds no
-model with custom ops (``accepts_plugins`` is false: ``NoImplementation`` names the ops, and a
-tuning run of several backends leaves these candidates out with that reason).
+Custom ops: from the plugin bundle's OpenVINO extension (a native implementation for backend
+``openvino``: a library made with ``OPENVINO_CREATE_EXTENSIONS``, its ops as ``ov::op::Op`` and
+their ONNX conversion rules, see docs/custom-ops.md), loaded by the pipeline in the sandboxed
+build like every plugin (digests, ABI tag ``ov-<N>``), added to the ``Core`` before the ONNX
+model is converted (``runtime_agent.plugins.openvino.CoreExtensions``), and recorded in
+``runtime_config["custom_ops"]``; the executor adds the same library before ``import_model``.
+The engine is verified against the onnxruntime reference run with the bundle's onnxruntime
+kernels. A bundle without an OpenVINO extension for an op is refused with ``NoImplementation``
+naming the op and the targets it has (a tuning run of several backends leaves these candidates
+out with that reason). ``torch.export`` programs with custom ops are refused
+(``check_program``): the PyTorch front end would need rules of its own.
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from compiler_worker.backends.base import Backend, BuiltEngine, Candidate, toolchain_string
 from runtime_agent.executors.base import CustomOpAdapter
@@ -83,6 +90,8 @@ from schemas.options import AccuracyMetric, CompileOptions, Portability, Precisi
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from runtime_agent.plugins.openvino import CoreExtensions
 
 logger = logging.getLogger(__name__)
 
@@ -185,8 +194,9 @@ class OpenVinoBackend(Backend):
     def check_program(self, custom_ops: set[str]) -> None:
         if custom_ops:
             raise UnsupportedOperator(
-                f"the {self.name} backend runs no custom ops yet: {sorted(custom_ops)} have no "
-                f"OpenVINO extension in their plugins", op=sorted(custom_ops)[0],
+                f"the {self.name} backend converts custom ops of ONNX models only (through the "
+                f"plugins' OpenVINO extensions); the torch program's {sorted(custom_ops)} would "
+                f"need PyTorch front-end rules", op=sorted(custom_ops)[0],
                 ops=sorted(custom_ops), backend=self.name)
 
     def from_program(self, program: Any, program_path: Path, workdir: Path, *,
@@ -280,7 +290,13 @@ class OpenVinoBackend(Backend):
                 f"given", minimum=NNCF_MIN_CALIBRATION_SAMPLES, given=len(calibration),
                 candidate=candidate.name)
         core = ov.Core()
-        model = self._read(ov, core, model_path)
+        libraries: list[str] = []
+        if custom_ops is not None:
+            extensions = cast("CoreExtensions", custom_ops)
+            extensions.check_frontend("onnx" if model_path.suffix == ".onnx" else "torch-export")
+            # The converter takes the ops' conversion rules; the Core compiles the ops.
+            libraries = extensions.apply(core)
+        model = self._read(ov, core, model_path, libraries)
         if quantize is not None:
             model = _quantize(ov, core, model, str(quantize), calibration, options,
                               iterations=int(config.get("accuracy_control_iterations", 1)),
@@ -316,6 +332,8 @@ class OpenVinoBackend(Backend):
             "input_names": [port.get_any_name() for port in compiled.inputs],
             "output_names": [port.get_any_name() for port in compiled.outputs],
         }
+        if custom_ops is not None:
+            runtime_config["custom_ops"] = custom_ops.runtime_config()
         if quantize is not None:
             runtime_config["quantization"] = {
                 "method": "nncf.quantize" if quantize == "ptq"
@@ -326,9 +344,9 @@ class OpenVinoBackend(Backend):
                            runtime_config=runtime_config,
                            toolchain=toolchain_string(self.name, installed))
 
-    def _read(self, ov: Any, core: Any, model_path: Path) -> Any:
+    def _read(self, ov: Any, core: Any, model_path: Path, extensions: Sequence[str] = ()) -> Any:
         """The OpenVINO model of an IR file (``from_program``'s), a ``.pt2`` archive or an ONNX
-        file."""
+        file (converted with the extension libraries ``extensions``)."""
         if model_path.suffix == ".xml":
             return core.read_model(str(model_path))
         if model_path.suffix == ".pt2":
@@ -341,7 +359,8 @@ class OpenVinoBackend(Backend):
                                    f"{torch.__version__} can load: {exc}"[:2000]) from exc
             return _convert(lambda: ov.convert_model(program), what="the torch program",
                             name_ops=torch_op_names)
-        return _convert(lambda: ov.convert_model(str(model_path)), what="the ONNX model",
+        return _convert(lambda: ov.convert_model(str(model_path), extension=list(extensions)
+                                                 or None), what="the ONNX model",
                         name_ops=lambda ops: onnx_op_names(model_path, ops))
 
 

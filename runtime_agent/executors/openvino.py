@@ -28,6 +28,15 @@ match exactly.
 - ``input_names`` / ``output_names``: the compiled model's ports, in order.
 - ``precision``, ``performance_hint``, ``device`` (``CPU``).
 
+Custom ops (``runtime_config["custom_ops"]``, one entry per op: ``op``, ``kind`` ``native``,
+``entry``, ``plugin`` digest, ``abi``): the plugins' OpenVINO extension libraries, added to the
+``Core`` before ``import_model`` (``runtime_agent.plugins.openvino.CoreExtensions``): the blob
+names the ops, and the CPU plugin rebuilds them from the importing ``Core``'s extensions. The
+bundles were verified against their digests when they loaded; an op that now comes from
+another plugin or library than the one it was built and verified with is refused. Extensions
+carry the ABI tag ``<platform>/ov-<N>``, ``N`` the release number of ``libopenvino``'s soname,
+matched exactly (``plugin_abi``).
+
 Threads: no thread count is frozen into an engine. OpenVINO sizes its thread pool to the node
 it runs on (its own cores), under the performance hint the engine was tuned with.
 
@@ -39,12 +48,12 @@ from __future__ import annotations
 import io
 import logging
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from runtime_agent.executors.base import Executor
+from runtime_agent.executors.base import CustomOpAdapter, Executor
 from runtime_agent.fingerprint import (
     detect_cpu,
     isa_class,
@@ -54,6 +63,9 @@ from runtime_agent.fingerprint import (
 )
 from schemas.errors import BackendUnavailable, FingerprintMismatch, InvalidRequest
 from schemas.fingerprint import CpuInfo, HardwareFingerprint
+
+if TYPE_CHECKING:
+    from runtime_agent.plugins import LoadedPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +87,15 @@ ARM_KERNEL_FEATURES = {"bf16": "bf16", "i8mm": "i8mm", "fp16": "fp16", "sve": "s
 #: The properties ``runtime_config["properties"]`` may carry to ``import_model``.
 IMPORT_PROPERTIES = frozenset({"INFERENCE_PRECISION_HINT", "PERFORMANCE_HINT",
                                "EXECUTION_MODE_HINT", "NUM_STREAMS", "INFERENCE_NUM_THREADS"})
+
+
+def abi_number(version: str | None) -> int | None:
+    """The release number in ``libopenvino``'s soname (``2026.4.1`` → ``2641``: the year's
+    last two digits, the minor, the patch): what an extension linked against it needs."""
+    parts = version_tuple(version)
+    if len(parts) < 3:
+        return None
+    return int(f"{parts[0] % 100}{parts[1]}{parts[2]}")
 
 
 def openvino_version(fingerprint: HardwareFingerprint) -> str | None:
@@ -135,10 +156,29 @@ class OpenVinoExecutor(Executor):
     preference = 8
     #: Its candidates race onnxruntime's in onnxruntime's job; a job of its own only when named.
     joins_as_peer = True
+    #: Custom ops from the plugins' OpenVINO extension libraries.
+    supports_plugins = True
 
     @classmethod
     def probe_version(cls) -> str | None:
         return package_version("openvino")
+
+    @classmethod
+    def custom_op_adapter(cls, plugins: Sequence[LoadedPlugin], ops: Iterable[str],
+                          device: str) -> CustomOpAdapter | None:
+        """The plugins' OpenVINO extension libraries for ``ops`` (``NoImplementation`` for an
+        op without one)."""
+        from runtime_agent.plugins.openvino import CoreExtensions
+
+        return CoreExtensions.resolve(list(plugins), set(ops), device)
+
+    @classmethod
+    def plugin_abi(cls) -> str | None:
+        """``<os>-<arch>/ov-<N>``, ``N`` the release number of ``libopenvino``'s soname."""
+        from runtime_agent.plugins.abi import platform_tag
+
+        number = abi_number(cls.probe_version())
+        return None if number is None else f"{platform_tag()}/ov-{number}"
 
     # -- keys and compatibility (pure; tested) ---------------------------------------------
 
@@ -218,6 +258,13 @@ class OpenVinoExecutor(Executor):
         path = self.blob_path("engine")
         blob = path.read_bytes()
         core = ov.Core()
+        custom_ops = list(config.get("custom_ops") or [])  # type: ignore[call-overload]
+        if custom_ops:
+            from runtime_agent.plugins.openvino import CoreExtensions
+
+            # Before the import: the blob names the ops, the CPU plugin rebuilds them from
+            # this Core's extensions.
+            CoreExtensions.for_artifact(custom_ops, self.plugins).apply(core)
         try:
             self._compiled = core.import_model(io.BytesIO(blob), DEVICE,
                                                {k: str(v) for k, v in properties.items()})

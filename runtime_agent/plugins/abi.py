@@ -7,7 +7,8 @@ A tag is ``<platform>/<runtime ABI>``, e.g. ``linux-x86_64/ort-api-11``:
 - *runtime ABI*: ``<runtime>-<N>``, an append-only API version. Each executor declares its own
   tag (``Executor.plugin_abi``; onnxruntime's is ``ort-api-<C API version>``, see
   ``runtime_agent.executors.onnxruntime``), and a library tagged ``<runtime>-N`` loads on a
-  runtime serving ``M`` when ``N <= M``.
+  runtime serving ``M`` when ``N <= M`` — except OpenVINO (``ov-<N>``, the soname's release
+  number), whose extensions load only where ``N == M``.
 
 A library's tag is declared by whoever built it (the ``abi`` of its ``Implementation``); for
 the onnxruntime-extensions library, ``examples/plugins/build.py`` reads it from the library's
@@ -22,7 +23,10 @@ import re
 from runtime_agent.fingerprint import normalize_arch
 from runtime_agent.plugins.errors import AbiMismatch
 
-__all__ = ["check_abi", "parse_abi", "platform_tag", "runtime_abi"]
+__all__ = ["EXACT_ABI_RUNTIMES", "check_abi", "parse_abi", "platform_tag", "runtime_abi"]
+
+#: Runtimes whose libraries load only under the exact ABI version they were built for.
+EXACT_ABI_RUNTIMES = frozenset({"ov"})
 
 _TAG = re.compile(r"^(?P<platform>[a-z0-9_]+-[a-z0-9_]+)/(?P<runtime>[a-z][a-z0-9-]*?)-"
                   r"(?P<version>[0-9]+)$")
@@ -65,9 +69,14 @@ def check_abi(declared: str, runtime: str | None, *, what: str) -> None:
         )
     lib_platform, lib_runtime, lib_version = parse_abi(declared)
     own_platform, own_runtime, own_version = parse_abi(runtime)
-    if (lib_platform, lib_runtime) != (own_platform, own_runtime) or lib_version > own_version:
+    # OpenVINO's C++ ABI changes with each release (its soname carries the release number):
+    # an extension loads only under the release it was linked against.
+    exact = own_runtime in EXACT_ABI_RUNTIMES
+    rule = "the same version" if exact else "an API version up to the runtime's own"
+    if ((lib_platform, lib_runtime) != (own_platform, own_runtime)
+            or lib_version > own_version or (exact and lib_version != own_version)):
         raise AbiMismatch(
             f"{what} was built for ABI {declared}, but this runtime is {runtime} (a library "
-            f"loads on the same platform and runtime with an API version up to the runtime's "
-            f"own)", library_abi=declared, runtime_abi=runtime,
+            f"loads on the same platform and runtime with {rule})",
+            library_abi=declared, runtime_abi=runtime,
         )

@@ -38,7 +38,13 @@ from runtime_agent.plugins.errors import NoImplementation
 from runtime_agent.plugins.registry import NativeLibrary, OpDefinition, OpRegistry, PythonKernel
 from schemas._canonical import canonical_json, sha256_hex
 from schemas.errors import IntegrityError, InvalidRequest, KilnError
-from schemas.plugins import Implementation, PluginFile, PluginManifest, PluginRef
+from schemas.plugins import (
+    Implementation,
+    PluginFile,
+    PluginManifest,
+    PluginRef,
+    parse_plugin_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +94,7 @@ def read_manifest(directory: Path) -> PluginManifest:
     """``plugin.json`` of an unpacked bundle folder."""
     path = Path(directory) / MANIFEST_NAME
     try:
-        return PluginManifest.model_validate(json.loads(path.read_bytes()))
+        return parse_plugin_manifest(json.loads(path.read_bytes()))
     except OSError as exc:
         raise InvalidRequest(f"{directory} is not a plugin folder: cannot read {path} "
                              f"({exc.strerror or exc})", path=str(path)) from exc
