@@ -75,18 +75,22 @@ def check_precision(session: Session, precision: Precision, keys: list[str]) -> 
 
 
 def check_deploy_precision(session: Session, precision: Precision,
-                           agents: list[tuple[dict[str, str], dict[str, str]]]) -> None:
-    """422 when a selected live agent has no key whose workers build ``precision``.
+                           selector: dict[str, str]) -> None:
+    """422 when a live agent the deployment selects has no key whose workers build
+    ``precision``.
 
-    ``agents``: (labels, backend → fingerprint key) of each agent the deployment selects. An
-    agent is judged only when live workers report precisions for at least one of its keys;
+    An agent is judged only when live workers report precisions for at least one of its keys;
     it is refused when none of those keys builds ``precision``: the deployment would queue
     builds that can only fail, and the agent would serve nothing. The answer names the keys
-    and what their workers build, so the user narrows the selector or picks a precision.
+    and what their workers build, so the user narrows the selector or picks a precision. The
+    selected agents are read only when some key's workers lack the precision: a deployment
+    reads the agents it selects once (the planner's read), not twice, in the common case.
     """
     built = repo.live_worker_precisions(session)
+    if all(precision.value in names for names in built.values()):
+        return
     refused: dict[str, list[str]] = {}
-    for _labels, keys in agents:
+    for _labels, keys, _compat in repo.selected_agent_keys(session, selector=selector):
         judged = [key for key in dict.fromkeys(keys.values()) if key in built]
         if judged and not any(precision.value in built[key] for key in judged):
             for key in judged:

@@ -43,9 +43,7 @@ def apply_deployment(
     spec = spec.model_copy(update={"options": batching_options(model, spec.options,
                                                                spec.batching)})
     repo.check_compile_datasets(session, model=model, options=spec.options)
-    check_deploy_precision(session, spec.options.precision, [
-        (labels, keys) for labels, keys, _ in
-        repo.selected_agent_keys(session, selector=spec.selector)])
+    check_deploy_precision(session, spec.options.precision, spec.selector)
     try:
         before = repo.get_deployment(session, name=spec.name)
     except NotFound:
