@@ -12,7 +12,14 @@ import pytest
 
 from kiln.client import KilnClient
 from kiln.stack import EmbeddedStack
-from tests.conftest import free_port
+from schemas.options import CompileOptions
+from tests.conftest import free_port, migrated_sqlite
+
+#: Options for the builds of tests about something other than tuning: one candidate instead of
+#: every configuration the tuner would try (tuning, under test in ``test_compile_flow`` and
+#: the compiler's own tests, multiplies a build's time several times over). A deployment that
+#: serves such a build must ask for the same options, or it queues a tuned build of its own.
+UNTUNED = CompileOptions(tune="off")
 
 # Integration stacks flush this Redis database when they start. Runs that share one Redis
 # (several checkouts tested side by side) give each its own number.
@@ -36,7 +43,10 @@ class RunningStack:
         self.stack = stack
         self.kind = kind
         self.client = stack.client()
-        self.keys = wait_for_worker(self.client)
+        # The onnxruntime key first: the tests build on ``keys[0]`` for the flow they test,
+        # and a worker also advertises keys of backends with other subjects and tests of
+        # their own (an iree key, in whatever order the worker lists them).
+        self.keys = sorted(wait_for_worker(self.client), key=lambda k: not k.startswith("ort-"))
 
     @property
     def home(self) -> Path:
@@ -64,6 +74,8 @@ def dump_logs_if_failed(request: pytest.FixtureRequest, home: Path, tail_bytes: 
 def _start(request: pytest.FixtureRequest, tmp_path: Path, kind: str,
            overrides: dict[str, str]) -> Iterator[RunningStack]:
     marker = request.node.get_closest_marker("stack_env")
+    if "KILN_DATABASE_URL" not in overrides:
+        migrated_sqlite(tmp_path / "kiln" / "kiln.db")  # the stack migrates it: already at head
     stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(),
                           overrides={**overrides, **(marker.args[0] if marker else {})},
                           worker_args=["--pool", "solo"])
@@ -92,7 +104,7 @@ def kiln_stack(request, tmp_path: Path, monkeypatch) -> Iterator[RunningStack]:
     bucket = request.getfixturevalue("s3_bucket")
     overrides = {
         "KILN_ENV": "production",  # every service named: production strictness applies
-        "KILN_DATABASE_URL": request.getfixturevalue("postgres_url"),
+        "KILN_DATABASE_URL": request.getfixturevalue("migrated_postgres_url"),
         "KILN_BROKER_URL": redis_url,
         "KILN_STORE_URI": f"s3://{bucket}/artifacts",
         "KILN_S3_ENDPOINT_URL": endpoint,
@@ -106,7 +118,10 @@ def running_stack(request: pytest.FixtureRequest, tmp_path: Path, *,
                   overrides: dict[str, str] | None = None, **options) -> Iterator[EmbeddedStack]:
     """For a fixture to ``yield from``: the embedded stack (API + one solo-pool worker) with
     agents heartbeating twice a second and ``overrides`` on top, stopped afterwards (its logs
-    dumped when the test failed)."""
+    dumped when the test failed). Its SQLite database starts as a copy of the run's migrated
+    template unless ``overrides`` name another."""
+    if "KILN_DATABASE_URL" not in (overrides or {}):
+        migrated_sqlite(tmp_path / "kiln" / "kiln.db")
     stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(), worker_args=["--pool", "solo"],
                           overrides={"KILN_AGENT_HEARTBEAT_S": "0.5", **(overrides or {})},
                           **options)

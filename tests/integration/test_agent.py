@@ -18,6 +18,7 @@ from kiln.stack import EmbeddedStack
 from schemas import JobStatus
 from schemas.errors import KilnError
 from tests.integration.agents import AgentProcess, outputs, reference
+from tests.integration.conftest import UNTUNED
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +35,7 @@ def agents(stack: EmbeddedStack, tmp_path: Path) -> Iterator[list[AgentProcess]]
 
 def deploy(client, name: str, model_bytes: bytes, selector: dict[str, str]) -> str:
     model = client.upload_model(model_bytes, name=name)
-    client.deploy(name, model.id, selector=selector)
+    client.deploy(name, model.id, selector=selector, options=UNTUNED)
     return model.id
 
 
@@ -114,13 +115,13 @@ def test_corrupted_cache_is_refetched_and_tampered_download_refused(stack, agent
     # An engine whose bytes in the store no longer match its manifest is refused.
     new = mlp(seed=2).SerializeToString()
     model = client.upload_model(new)
-    (job,) = client.create_jobs(model.id, client.live_fingerprint_keys("onnx"))
+    (job,) = client.create_jobs(model.id, client.live_fingerprint_keys("onnx"), UNTUNED)
     job = client.wait_job(job.id, timeout_s=120)
     assert job.status is JobStatus.SUCCEEDED
     blob = client.get_manifest(job.artifact_id).blob("engine")
     stored = stack.home / "store" / "blobs" / "sha256" / blob.sha256[:2] / blob.sha256
     stored.write_bytes(b"\1" * blob.size)
-    client.deploy("svc", model.id, selector={"site": "a"})
+    client.deploy("svc", model.id, selector={"site": "a"}, options=UNTUNED)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         status = agent_status(client, "n1", "svc")
@@ -161,7 +162,7 @@ def test_deployment_change_swaps_with_no_failed_requests(stack, agents, tmp_path
     try:
         time.sleep(0.5)
         new_id = client.upload_model(new).id
-        client.deploy("svc", new_id, selector={"site": "a"})
+        client.deploy("svc", new_id, selector={"site": "a"}, options=UNTUNED)
         swapped = agent.wait_serving("svc", tier="exact", timeout_s=120)
         while swapped["artifact_id"] == first["artifact_id"]:
             swapped = agent.wait_serving("svc", tier="exact")
@@ -203,7 +204,7 @@ def test_online_key_rotation_on_a_running_stack(stack, agents, tmp_path):
     assert outputs(agent.infer("svc", X))["y"].shape == (4, 16)  # still serving
 
     # The worker signs the next engine with the new key; the agent swaps to it.
-    client.deploy("svc", client.upload_model(new_model).id, selector={"site": "a"})
+    client.deploy("svc", client.upload_model(new_model).id, selector={"site": "a"}, options=UNTUNED)
     deadline = time.monotonic() + 120
     while (served := agent.wait_serving("svc", tier="exact"))["artifact_id"] == \
             first["artifact_id"]:

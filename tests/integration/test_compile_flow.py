@@ -16,6 +16,7 @@ from artifact_store import load_verifier
 from kiln.examples import mlp, onnx_test_model, small_cnn
 from schemas import CompileOptions, JobStatus
 from schemas.errors import KilnError
+from tests.integration.conftest import UNTUNED
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +50,7 @@ def test_submit_compile_verify_publish(kiln_stack, tmp_path: Path):
 
     model, job = compile_once(
         kiln_stack, onnx_test_model("light_resnet50").SerializeToString(),
-        CompileOptions(benchmark_iterations=20), on_update=seen,
+        CompileOptions(benchmark_iterations=20, tune="off"), on_update=seen,
     )
     assert job.status is JobStatus.SUCCEEDED, job.error
     assert job.attempts == 1 and not job.cache_hit
@@ -92,16 +93,16 @@ def test_cache_hit_and_duplicate_delivery_yield_one_artifact(kiln_stack):
     from services.config import KilnSettings
     from services.queue import configure_celery, enqueue_compile
 
-    model, first = compile_once(kiln_stack, small_cnn().SerializeToString())
+    model, first = compile_once(kiln_stack, small_cnn().SerializeToString(), UNTUNED)
     assert first.status is JobStatus.SUCCEEDED, first.error
 
     # Same model, options and key: answered from the store, no build.
-    (hit,) = kiln_stack.client.create_jobs(model.id, [first.fingerprint_key])
+    (hit,) = kiln_stack.client.create_jobs(model.id, [first.fingerprint_key], UNTUNED)
     assert hit.status is JobStatus.SUCCEEDED and hit.cache_hit
     assert hit.artifact_id == first.artifact_id
 
     # A task delivered twice (here: the same job enqueued again) still yields one artifact.
-    options = CompileOptions(optimization_level=1)
+    options = UNTUNED.model_copy(update={"optimization_level": 1})
     (job,) = kiln_stack.client.create_jobs(model.id, [first.fingerprint_key], options)
     settings = KilnSettings(home=kiln_stack.home,
                             broker_url=kiln_stack.stack.overrides.get("KILN_BROKER_URL"))
@@ -110,7 +111,7 @@ def test_cache_hit_and_duplicate_delivery_yield_one_artifact(kiln_stack):
     done = kiln_stack.client.wait_job(job.id, timeout_s=300)
     assert done.status is JobStatus.SUCCEEDED, done.error
     artifacts = kiln_stack.client.list_artifacts(model_id=model.id)
-    assert len(artifacts) == 2  # level 3 and level 1, each once
+    assert len(artifacts) == 2  # the default level and level 1, each once
     assert len({a.options_digest for a in artifacts}) == 2
 
 
@@ -133,7 +134,8 @@ def test_model_failing_the_checker_fails_its_job_with_a_typed_reason(kiln_stack)
 def test_verification_over_tolerance_fails_the_job_and_publishes_nothing(kiln_stack):
     # Level 3 folds BatchNormalization into Conv: float results move by ~1e-7, which a
     # zero tolerance rejects. The job must fail, never fall back to something else.
-    options = CompileOptions(tolerance={"atol": 0.0, "rtol": 0.0})
+    options = CompileOptions(tolerance={"atol": 0.0, "rtol": 0.0}, tune="off",
+                             optimization_level=3)
     _, job = compile_once(kiln_stack, small_cnn().SerializeToString(), options)
     assert job.status is JobStatus.FAILED
     assert job.error.code == "verification_failed"

@@ -18,6 +18,7 @@ from schemas import JobStatus
 from schemas.agents import DesiredState
 from services.api.auth import Role, mint_token
 from tests.integration.agents import AgentProcess, outputs, reference
+from tests.integration.conftest import UNTUNED
 
 pytestmark = [pytest.mark.integration, pytest.mark.stack_env({"KILN_AGENT_HEARTBEAT_S": "30"})]
 
@@ -49,7 +50,7 @@ def poll(kiln_stack, name: str, token: str, **params) -> httpx.Response:
 
 def build(client, keys, model_bytes: bytes, name: str) -> tuple[str, str]:
     model = client.upload_model(model_bytes, name=name)
-    (job,) = client.create_jobs(model.id, keys[:1])
+    (job,) = client.create_jobs(model.id, keys[:1], UNTUNED)
     job = client.wait_job(job.id, timeout_s=300)
     assert job.status is JobStatus.SUCCEEDED, job.error
     return model.id, job.artifact_id
@@ -81,7 +82,7 @@ def test_changes_reach_a_waiting_agent_before_its_heartbeat(kiln_stack, tmp_path
         waiting.start()
 
         started = time.monotonic()
-        client.deploy("svc", id_a, selector={"site": "a"})
+        client.deploy("svc", id_a, selector={"site": "a"}, options=UNTUNED)
         served = agent.wait_serving("svc", artifact_id=artifact_a, timeout_s=20)
         first = time.monotonic() - started
         np.testing.assert_allclose(outputs(agent.infer("svc", X))["y"],
@@ -89,7 +90,8 @@ def test_changes_reach_a_waiting_agent_before_its_heartbeat(kiln_stack, tmp_path
         assert served["tier"] == "exact"
 
         started = time.monotonic()
-        client.deploy("svc", id_b, selector={"site": "a"})  # updated: another model
+        # Updated: another model.
+        client.deploy("svc", id_b, selector={"site": "a"}, options=UNTUNED)
         agent.wait_serving("svc", artifact_id=artifact_b, timeout_s=20)
         second = time.monotonic() - started
         np.testing.assert_allclose(outputs(agent.infer("svc", X))["y"],
@@ -106,7 +108,8 @@ def test_changes_reach_a_waiting_agent_before_its_heartbeat(kiln_stack, tmp_path
         # API) reaches the agent through the API's re-check, also well before a heartbeat.
         model_c = mlp(seed=13).SerializeToString()
         id_c = client.upload_model(model_c, name="c").id
-        (job_id,) = client.deploy("svc", id_c, selector={"site": "a"})["build_jobs"]
+        (job_id,) = client.deploy("svc", id_c, selector={"site": "a"},
+                                  options=UNTUNED)["build_jobs"]
         deadline = time.monotonic() + 300
         while client.get_job(job_id).status is not JobStatus.SUCCEEDED:
             assert time.monotonic() < deadline, client.get_job(job_id)
@@ -177,7 +180,7 @@ def test_a_change_through_another_replica_wakes_the_long_poll(kiln_stack, tmp_pa
             response=poll(kiln_stack, "n1", token, after=held, wait=6)))
         waiting.start()
         time.sleep(0.5)
-        other.deploy("elsewhere", model_id, selector={"site": "b"})
+        other.deploy("elsewhere", model_id, selector={"site": "b"}, options=UNTUNED)
         waiting.join(30)
         assert box["response"].status_code == 204
         assert box["response"].headers["kiln-recomputes"] == "1"
@@ -187,7 +190,7 @@ def test_a_change_through_another_replica_wakes_the_long_poll(kiln_stack, tmp_pa
         waiting.start()
         time.sleep(0.5)
         applied = time.monotonic()
-        other.deploy("here", model_id, selector={"site": "a"})
+        other.deploy("here", model_id, selector={"site": "a"}, options=UNTUNED)
         waiting.join(30)
         took = time.monotonic() - applied
         response = box["response"]

@@ -16,6 +16,7 @@ import pytest
 from kiln.examples import mlp
 from tests.conftest import free_port
 from tests.integration.agents import AgentProcess, reference
+from tests.integration.conftest import UNTUNED
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +40,8 @@ def test_tritonclient_http_and_grpc_against_an_agent(stack, agents, tmp_path):
 
     model = mlp(seed=3).SerializeToString()
     client = stack.client()
-    client.deploy("mlp", client.upload_model(model, name="mlp").id, selector={"site": "a"})
+    client.deploy("mlp", client.upload_model(model, name="mlp").id, selector={"site": "a"},
+                  options=UNTUNED)
     grpc_port = free_port()
     agent = AgentProcess(stack, "n1", "site=a", tmp_path).start(env={
         "KILN_AGENT_SERVE_TOKEN": TOKEN, "KILN_AGENT_GRPC_PORT": str(grpc_port)})

@@ -8,6 +8,7 @@ import pytest
 from artifact_store import open_store
 from kiln.examples import mlp
 from schemas import JobStatus
+from tests.integration.conftest import UNTUNED
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +28,7 @@ def test_rebuild_and_recovery_from_a_lost_blob(kiln_stack):
     client = kiln_stack.client
     model = client.upload_model(mlp().SerializeToString(), name="ops")
     key = onnx_key(kiln_stack)
-    (first,) = client.create_jobs(model.id, [key])
+    (first,) = client.create_jobs(model.id, [key], UNTUNED)
     first = client.wait_job(first.id, timeout_s=180)
     assert first.status is JobStatus.SUCCEEDED, first.error
 
@@ -41,7 +42,7 @@ def test_rebuild_and_recovery_from_a_lost_blob(kiln_stack):
     store = _store(kiln_stack)
     engine = client.get_manifest(first.artifact_id).blob("engine")
     store.delete_blob(engine.sha256)
-    (again,) = client.create_jobs(model.id, [key])
+    (again,) = client.create_jobs(model.id, [key], UNTUNED)
     assert not again.cache_hit
     broken = client.get_artifact(first.artifact_id)["artifact"]
     assert broken["state"] == "broken" and "engine" in broken["broken_reason"]
@@ -54,7 +55,7 @@ def test_rebuild_and_recovery_from_a_lost_blob(kiln_stack):
     assert all(store.has_blob(type(engine).model_validate(b)) for b in fresh)
     assert store.has_manifest(first.artifact_id)
     # and the next request is a cache hit again
-    (hit,) = client.create_jobs(model.id, [key])
+    (hit,) = client.create_jobs(model.id, [key], UNTUNED)
     assert hit.cache_hit and hit.status is JobStatus.SUCCEEDED
 
 
@@ -67,7 +68,7 @@ def test_cancel_a_running_build_then_retry_it(kiln_stack):
 
     client = kiln_stack.client
     model = client.upload_model(_slow_model(seed=3).SerializeToString(), name="slow")
-    (job,) = client.create_jobs(model.id, [onnx_key(kiln_stack)])
+    (job,) = client.create_jobs(model.id, [onnx_key(kiln_stack)])  # tuned: a long build
     deadline = time.monotonic() + 120
     while client.get_job(job.id).status is not JobStatus.RUNNING:
         assert time.monotonic() < deadline, client.get_job(job.id)
@@ -78,7 +79,7 @@ def test_cancel_a_running_build_then_retry_it(kiln_stack):
 
     # The worker is free again once it gives the build up (or finishes it, recording nothing).
     (small,) = client.create_jobs(client.upload_model(mlp(seed=4).SerializeToString()).id,
-                                  [onnx_key(kiln_stack)])
+                                  [onnx_key(kiln_stack)], UNTUNED)
     small = client.wait_job(small.id, timeout_s=300)
     assert small.status is JobStatus.SUCCEEDED, small.error
     after = client.get_job(job.id)
@@ -118,7 +119,7 @@ def test_cancel_revokes_the_task_on_a_prefork_worker(request, tmp_path, monkeypa
         running = RunningStack(stack, broker)
         client, key = running.client, onnx_key(running)
         model = client.upload_model(_slow_model(seed=5).SerializeToString(), name="slow")
-        (job,) = client.create_jobs(model.id, [key])
+        (job,) = client.create_jobs(model.id, [key])  # tuned: a long build
         # Cancel mid-benchmark, the longest stage: cancelled at a stage boundary, the worker
         # stops by itself (JobCancelled) before the revoke arrives, and there is nothing left
         # to terminate.
@@ -134,7 +135,7 @@ def test_cancel_revokes_the_task_on_a_prefork_worker(request, tmp_path, monkeypa
             assert time.monotonic() < deadline, "the worker never terminated the task"
             time.sleep(0.2)
         (small,) = client.create_jobs(client.upload_model(mlp(seed=6).SerializeToString()).id,
-                                      [key])
+                                      [key], UNTUNED)
         assert client.wait_job(small.id, timeout_s=300).status is JobStatus.SUCCEEDED
         assert client.get_job(job.id).status is JobStatus.CANCELLED
         assert client.list_artifacts(model_id=model.id) == []

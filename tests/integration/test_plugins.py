@@ -13,7 +13,7 @@ import pytest
 from schemas import JobStatus
 from schemas.errors import KilnError
 from tests.integration.agents import AgentProcess, outputs, reference
-from tests.integration.conftest import wait_for_worker
+from tests.integration.conftest import UNTUNED, wait_for_worker
 from tests.integration.test_agent import kiln_cli
 
 pytestmark = pytest.mark.integration
@@ -42,7 +42,7 @@ def test_custom_ops_compile_ship_and_serve_through_an_agent(stack, bundles, tmp_
     # A model whose custom op nobody registered fails its job with a typed reason.
     cnn = models.swish_cnn().SerializeToString()
     cnn_id = client.upload_model(cnn).id
-    (job,) = client.create_jobs(cnn_id, keys)
+    (job,) = client.create_jobs(cnn_id, keys, UNTUNED)
     job = client.wait_job(job.id, timeout_s=120)
     assert job.status is JobStatus.FAILED and job.error.code == "unknown_operator"
     assert "kiln.examples::Swish" in job.error.message
@@ -52,8 +52,9 @@ def test_custom_ops_compile_ship_and_serve_through_an_agent(stack, bundles, tmp_
     assert "kiln.examples::Swish" in kiln_cli(stack, "plugins")
 
     inverse = models.inverse_model().SerializeToString()
-    client.deploy("swish-cnn", cnn_id, selector={"site": "a"})
-    client.deploy("inverse", client.upload_model(inverse).id, selector={"site": "a"})
+    client.deploy("swish-cnn", cnn_id, selector={"site": "a"}, options=UNTUNED)
+    client.deploy("inverse", client.upload_model(inverse).id, selector={"site": "a"},
+                  options=UNTUNED)
     agent = AgentProcess(stack, "n1", "site=a", tmp_path).start()
     try:
         agent.wait_serving("swish-cnn", timeout_s=180)

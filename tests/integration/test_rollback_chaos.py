@@ -39,7 +39,7 @@ from kiln.stack import EmbeddedStack
 from runtime_agent.cache import STATE_FILENAME, ArtifactCache
 from tests.conftest import free_port
 from tests.integration.agents import AgentProcess, outputs, reference
-from tests.integration.conftest import running_stack
+from tests.integration.conftest import UNTUNED, running_stack
 
 pytestmark = pytest.mark.integration
 
@@ -159,7 +159,7 @@ def one_trial(stack: EmbeddedStack, link: SlowLink, tmp_path: Path, i: int, step
     client = stack.client()
     v2_model, v3_model = models
     name, deployment = f"n{i}", f"svc{i}"
-    client.deploy(deployment, v2_model, selector={"app": deployment})
+    client.deploy(deployment, v2_model, selector={"app": deployment}, options=UNTUNED)
     agent = AgentProcess(stack, name, f"app={deployment}", tmp_path, api_url=link.url)
     one_byte_cache = {"KILN_AGENT_CACHE_MAX_BYTES": "1"}
 
@@ -170,6 +170,7 @@ def one_trial(stack: EmbeddedStack, link: SlowLink, tmp_path: Path, i: int, step
     try:
         agent.wait_serving(deployment, artifact_id=v2)
         started = client.deploy(deployment, v3_model, selector={"app": deployment},
+                                options=UNTUNED,
                                 rollout={"stages": [1, "100%"], "soak_s": 600,
                                          "gates": [{"name": "golden"},
                                                    {"name": "error_rate", "max_rate": 0.1}]},
@@ -223,12 +224,12 @@ def test_an_interrupted_rollback_converges_to_one_verified_artifact(stack, tmp_p
                    for s, b in ((2, v2_bytes), (3, v3_bytes)))
     # A fast pass first: both engines are built for this node's key, and v2's size sets the
     # link's rate (a download of about three seconds).
-    client.deploy("probe", models[0], selector={"app": "probe"})
+    client.deploy("probe", models[0], selector={"app": "probe"}, options=UNTUNED)
     probe = AgentProcess(stack, "probe", "app=probe", tmp_path).start()
     try:
         v2 = probe.wait_serving("probe", tier="exact")["artifact_id"]
         size = sum(p.stat().st_size for p in (probe.cache_dir / "artifacts" / v2).iterdir())
-        client.deploy("probe", models[1], selector={"app": "probe"})
+        client.deploy("probe", models[1], selector={"app": "probe"}, options=UNTUNED)
         v3 = wait_for("the probe serves v3", lambda: (
             (m := probe.models().get("probe", {})).get("tier") == "exact"
             and m["artifact_id"] != v2 and m["artifact_id"]), 180, 0.2)

@@ -16,7 +16,7 @@ import pytest
 from kiln.examples import mlp
 from kiln.stack import EmbeddedStack
 from tests.integration.agents import AgentProcess
-from tests.integration.conftest import running_stack
+from tests.integration.conftest import UNTUNED, running_stack
 from tests.integration.test_agent import kiln_cli
 
 pytestmark = pytest.mark.integration
@@ -65,7 +65,7 @@ def test_canary_proceeds_then_a_halt_rolls_back_an_agent_that_was_down(stack, ag
     client = stack.client()
     v1, v2, v3 = (client.upload_model(mlp(seed=s).SerializeToString(), name=f"v{s}").id
                   for s in (1, 2, 3))
-    client.deploy("svc", v1, selector={"app": "svc"})
+    client.deploy("svc", v1, selector={"app": "svc"}, options=UNTUNED)
     n1 = AgentProcess(stack, "n1", "app=svc", tmp_path).start()
     n2 = AgentProcess(stack, "n2", "app=svc", tmp_path).start()
     agents.extend([n1, n2])
