@@ -22,7 +22,7 @@ from kiln.stack import EmbeddedStack
 from schemas import CompileOptions, JobStatus
 from schemas.errors import KilnError
 from tests.conftest import free_port
-from tests.integration.conftest import RunningStack, dump_logs_if_failed
+from tests.integration.conftest import UNTUNED, RunningStack, dump_logs_if_failed
 from tests.integration.faults import RedisServer, TcpProxy
 
 pytestmark = pytest.mark.integration
@@ -163,7 +163,7 @@ def test_redis_down_makes_readyz_503_and_submits_503_then_recovers(fault_stack, 
     assert worker_ready.json()["worker"] == "embedded-0"
     assert httpx.get(f"{worker}/healthz", timeout=5).status_code == 200  # alive, not ready
     with pytest.raises(KilnError) as refused:
-        fault_stack.client.create_jobs(model.id, fault_stack.keys[:1])
+        fault_stack.client.create_jobs(model.id, fault_stack.keys[:1], UNTUNED)
     assert refused.value.code == "queue_unavailable" and refused.value.http_status == 503
     answered = time.monotonic() - started
     assert answered < 15, f"the API took {answered:.1f} s to say the broker is down"
@@ -177,7 +177,7 @@ def test_redis_down_makes_readyz_503_and_submits_503_then_recovers(fault_stack, 
     while httpx.get(f"{worker}/readyz", timeout=20).status_code != 200:
         assert time.monotonic() - back < 30, "the worker never became ready again"
         time.sleep(0.1)
-    (job,) = fault_stack.client.create_jobs(model.id, fault_stack.keys[:1])
+    (job,) = fault_stack.client.create_jobs(model.id, fault_stack.keys[:1], UNTUNED)
     done = fault_stack.client.wait_job(job.id, timeout_s=180)
     _report("Redis down → back: a job submitted after the restart succeeded",
             time.monotonic() - back)
@@ -188,7 +188,7 @@ def test_a_blob_deleted_from_the_store_is_rebuilt_on_the_next_request(fault_stac
     import boto3
 
     model = fault_stack.client.upload_model(mlp(seed=4).SerializeToString(), name="mlp")
-    (first,) = fault_stack.client.create_jobs(model.id, fault_stack.keys[:1])
+    (first,) = fault_stack.client.create_jobs(model.id, fault_stack.keys[:1], UNTUNED)
     first = fault_stack.client.wait_job(first.id, timeout_s=180)
     assert first.status is JobStatus.SUCCEEDED, first.error
     engine = fault_stack.client.get_manifest(first.artifact_id).blob("engine")
@@ -200,7 +200,7 @@ def test_a_blob_deleted_from_the_store_is_rebuilt_on_the_next_request(fault_stac
         s3.delete_object(Bucket=fault_stack.bucket, Key=key)
     lost = time.monotonic()
 
-    (again,) = fault_stack.client.create_jobs(model.id, fault_stack.keys[:1])
+    (again,) = fault_stack.client.create_jobs(model.id, fault_stack.keys[:1], UNTUNED)
     assert not again.cache_hit  # a dead reference is no hit
     rebuilt = fault_stack.client.wait_job(again.id, timeout_s=180)
     _report("blob deleted → next request rebuilt it", time.monotonic() - lost)
@@ -221,7 +221,7 @@ def test_an_agent_recovers_on_its_own_when_its_engine_blob_is_deleted(fault_stac
     client = fault_stack.client
     model_bytes = mlp(seed=5).SerializeToString()
     model = client.upload_model(model_bytes, name="mlp")
-    (built,) = client.create_jobs(model.id, fault_stack.keys[:1])
+    (built,) = client.create_jobs(model.id, fault_stack.keys[:1], UNTUNED)
     built = client.wait_job(built.id, timeout_s=180)
     assert built.status is JobStatus.SUCCEEDED, built.error
     engine = client.get_manifest(built.artifact_id).blob("engine")
@@ -233,7 +233,7 @@ def test_an_agent_recovers_on_its_own_when_its_engine_blob_is_deleted(fault_stac
 
     # A new node is told to run the artifact whose engine is gone: its download fails, the
     # artifact is marked broken, the next heartbeat queues the rebuild, and the node serves it.
-    client.deploy("svc", model.id, selector={"site": "a"})
+    client.deploy("svc", model.id, selector={"site": "a"}, options=UNTUNED)
     agent = AgentProcess(fault_stack.stack, "n1", "site=a", tmp_path).start()
     try:
         served = agent.wait_serving("svc", tier="exact", timeout_s=240)
@@ -260,7 +260,7 @@ def test_a_job_past_its_time_limit_fails_timed_out_and_the_worker_keeps_serving(
     assert fault_stack.client.list_artifacts(model_id=slow.id) == []
 
     fine = fault_stack.client.upload_model(mlp(seed=6).SerializeToString(), name="mlp")
-    (next_job,) = fault_stack.client.create_jobs(fine.id, fault_stack.keys[:1])
+    (next_job,) = fault_stack.client.create_jobs(fine.id, fault_stack.keys[:1], UNTUNED)
     assert fault_stack.client.wait_job(next_job.id, timeout_s=180).status is JobStatus.SUCCEEDED
 
 
