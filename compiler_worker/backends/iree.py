@@ -86,7 +86,10 @@ def compiler_version() -> str | None:
 def _step(argv: list[str], workdir: Path, what: str) -> None:
     """Run one tool step in ``workdir`` with an empty environment but ``PATH``; a failure is
     a ``CompileError`` carrying the tail of its output."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8"}
+    # Scratch files go to the build's own folder: the confined build may write nowhere else,
+    # and iree-compile's temporary files would otherwise go to /tmp and be refused.
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8",
+           "TMPDIR": str(workdir)}
     try:
         result = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True,
                                 timeout=STEP_TIMEOUT_S, check=False)

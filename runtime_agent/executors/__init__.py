@@ -103,9 +103,11 @@ def node_fingerprint_keys(fingerprint: HardwareFingerprint) -> dict[str, str]:
 
 
 def peer_backends() -> set[str]:
-    """Backends whose candidates race in another backend's job (``Executor.joins_as_peer``):
-    a request that names no backend plans no job of their own."""
-    return {name for name, cls in _REGISTRY.items() if cls.joins_as_peer}
+    """Backends a request that names no backend plans no job of their own for, beside the
+    node's preferred one: those whose candidates race in another backend's job
+    (``Executor.joins_as_peer``) and those built only when named (``planned_unnamed``)."""
+    return {name for name, cls in _REGISTRY.items()
+            if cls.joins_as_peer or not cls.planned_unnamed}
 
 
 def node_compatibility_keys(fingerprint: HardwareFingerprint) -> dict[str, list[str]]:

@@ -119,6 +119,11 @@ class Executor(ABC):
     #: of its own only when a request names it (``options.backends``, or a target key of its
     #: own), so planning an unnamed request does not queue a second, redundant job for it.
     joins_as_peer: ClassVar[bool] = False
+    #: Whether a request that names no backend also plans a build of this backend beside the
+    #: node's preferred one. False for a backend whose engines rarely beat the node's others
+    #: and cost a long build (IREE on a node that has onnxruntime): it is built when a request
+    #: names it, or where it is the node's preferred backend (an arm64 node with only it).
+    planned_unnamed: ClassVar[bool] = True
 
     @classmethod
     @abstractmethod

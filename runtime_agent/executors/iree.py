@@ -158,6 +158,9 @@ class IreeExecutor(Executor):
     #: first; on a node with only IREE's runtime (an edge or arm64 node), IREE's key is the
     #: node's key.
     preference = 4
+    #: Its LLVM builds take minutes and lose to onnxruntime's engines on x86 (`bench/engines.py`
+    #: times them side by side): planned beside another backend only when named.
+    planned_unnamed = False
 
     @classmethod
     def probe_version(cls) -> str | None:

@@ -408,8 +408,9 @@ class OnnxRuntimeExecutor(Executor):
         afresh on every run (a binding reuses the buffer of an output left bound, which would
         overwrite what the previous call returned) and returned as numpy views of that memory.
         Preallocating them here from the signature instead costs a fresh external buffer per
-        call against the arena's reused one, which a small model feels (`bench/agent.py --only overhead`); the
-        signature's shapes serve the callers that allocate (``out=``, ``kiln.torch``)."""
+        call against the arena's reused one, which a small model feels (`bench/agent.py
+        --only overhead`); the signature's shapes serve the callers that allocate (``out=``,
+        ``kiln.torch``)."""
         binding = self._binding()
         for name, value in feed.items():
             if type(value) is np.ndarray:

@@ -40,3 +40,22 @@ def test_openvino_is_planned_only_when_named() -> None:
     both = choose_backends(deployment(backends=["onnxruntime", "openvino"]), agent,
                            takes=lambda key: True, builds=lambda key: True)
     assert both == [("onnxruntime", KEYS["onnxruntime"]), ("openvino", KEYS["openvino"])]
+
+
+def test_iree_is_planned_beside_another_backend_only_when_named() -> None:
+    """IREE's builds are long and its engines lose on a node that has onnxruntime: a
+    deployment naming no backend queues none beside onnxruntime's, but a node whose only
+    backend is IREE (an arm64 edge node) is planned for it."""
+    assert "iree" in peer_backends()
+    keys = {**KEYS, "iree": "iree-cpu-x86-64-v4-iree3.13"}
+    agent = AgentProfile(labels={}, fingerprint_keys=keys, compatibility_keys={})
+    every = choose_backends(deployment(), agent, takes=lambda key: True,
+                            builds=lambda key: True)
+    assert ("iree", keys["iree"]) not in every
+    named = choose_backends(deployment(backends=["onnxruntime", "iree"]), agent,
+                            takes=lambda key: True, builds=lambda key: True)
+    assert ("iree", keys["iree"]) in named
+    edge = AgentProfile(labels={}, fingerprint_keys={"iree": "iree-cpu-armv8-iree3.13"},
+                        compatibility_keys={})
+    assert choose_backends(deployment(), edge, takes=lambda key: True,
+                           builds=lambda key: True) == [("iree", "iree-cpu-armv8-iree3.13")]
