@@ -50,7 +50,7 @@ def torch_fp(features: list[str], torch: str = "2.13.0+cpu") -> HardwareFingerpr
 # -- registry, choice and candidates (no build) ---------------------------------------------
 
 def test_registered_beside_onnxruntime_and_tensorrt_but_never_picked_by_default() -> None:
-    assert backends.names() == ["tensorrt", "onnxruntime", "openvino", "aotinductor"]
+    assert backends.names() == ["tensorrt", "onnxruntime", "openvino", "aotinductor", "iree"]
     fp = torch_fp(V4)
     assert backend_for(fp, CompileOptions()).name == "onnxruntime"
     assert backend_for(fp, CompileOptions(backends=["aotinductor"])).name == "aotinductor"

@@ -77,7 +77,8 @@ def test_onnxruntime_compatibility(built, node, level, expected) -> None:
 
 def test_registry() -> None:
     assert backends.get("onnxruntime") is not None
-    assert backends.names() == ["tensorrt", "onnxruntime", "openvino", "aotinductor"]  # by priority
+    # by priority
+    assert backends.names() == ["tensorrt", "onnxruntime", "openvino", "aotinductor", "iree"]
     assert [b.name for b in backends.available()] == backends.names()
     with pytest.raises(BackendUnavailable, match=r"Currently registered backends are: \['tensor"):
         backends.get("tvm")
@@ -100,7 +101,8 @@ def test_backend_for_gpu_node_prefers_tensorrt() -> None:
 def test_backend_for_explains_every_refusal() -> None:
     with pytest.raises(BackendUnavailable, match="tensorrt: does not support this hardware") as e:
         backend_for(cpu_fp(V4), CompileOptions(backends=["tensorrt"]))
-    assert e.value.details["registered"] == ["tensorrt", "onnxruntime", "openvino", "aotinductor"]
+    assert e.value.details["registered"] == ["tensorrt", "onnxruntime", "openvino",
+                                             "aotinductor", "iree"]
     with pytest.raises(BackendUnavailable, match="onnxruntime: the onnxruntime CPU backend builds "
                                                  "no fp16 engines"):
         backend_for(cpu_fp(V4), CompileOptions(precision=Precision.FP16))
