@@ -24,6 +24,10 @@ class LiveApi:
 
     def __init__(self, home: Path, **overrides: object) -> None:
         home.mkdir(parents=True, exist_ok=True)
+        # No job sweep: these tests drive a JobRunner without the worker's heartbeat thread,
+        # so the sweep would take any build that spans its tick for a lost worker's and queue
+        # it again (tests/services/api/test_sweeper.py covers the sweep).
+        overrides.setdefault("job_sweep_s", 0)
         self.settings: KilnSettings = make_settings(home, **overrides)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
