@@ -23,6 +23,7 @@ from schemas.errors import (
 from schemas.jobs import CompileJob, JobStage, JobStatus
 from schemas.options import CompileOptions
 from services.db.repo._common import _check_limit, _require_artifact, _require_model
+from services.db.repo._rows import finish_row, instance_alive, job_from_row
 from services.db.tables import CompileJobRow, utcnow
 
 log = logging.getLogger(__name__)
@@ -43,33 +44,6 @@ def _locked_job(session: Session, job_id: str) -> CompileJobRow:
         raise NotFound(f"no compile job {job_id}", job_id=job_id)
     return row
 
-def _job(row: CompileJobRow) -> CompileJob:
-    return CompileJob(
-        id=row.id,
-        model_id=row.model_id,
-        options=CompileOptions.model_validate(row.options),
-        options_digest=row.options_digest,
-        fingerprint_key=row.fingerprint_key,
-        status=JobStatus(row.status),
-        stage=JobStage(row.stage),
-        progress=row.progress,
-        error=ErrorBody.model_validate(row.error) if row.error is not None else None,
-        artifact_id=row.artifact_id,
-        cache_hit=row.cache_hit,
-        attempts=row.attempts,
-        retries=row.retries or 0,
-        force=bool(row.force),
-        worker=row.worker,
-        worker_instance=row.worker_instance,
-        worker_pid=row.worker_pid,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        started_at=row.started_at,
-        finished_at=row.finished_at,
-        enqueued_at=row.enqueued_at,
-        deadline_at=row.deadline_at,
-        retry_at=row.retry_at,
-    )
 
 def _new_job(model_id: str, options: CompileOptions, fingerprint_key: str, *,
              force: bool = False) -> CompileJobRow:
@@ -105,7 +79,7 @@ def create_job(
     row = _new_job(model_id, options, fingerprint_key, force=force)
     session.add(row)
     session.flush()
-    return _job(row)
+    return job_from_row(row)
 
 
 def create_cached_job(
@@ -165,7 +139,7 @@ def _job_columns() -> dict[str, str]:
 def lock_job(session: Session, *, job_id: str) -> CompileJob:
     """The job, read under a row lock held until the caller commits or rolls back: a cancel
     waits for whatever the caller decides from it (the publication of a build)."""
-    return _job(_locked_job(session, job_id))
+    return job_from_row(_locked_job(session, job_id))
 
 
 def get_job(session: Session, *, job_id: str) -> CompileJob:
@@ -173,7 +147,7 @@ def get_job(session: Session, *, job_id: str) -> CompileJob:
     row = session.get(CompileJobRow, job_id)
     if row is None:
         raise NotFound(f"no compile job {job_id}", job_id=job_id)
-    return _job(row)
+    return job_from_row(row)
 
 
 def list_jobs(
@@ -191,7 +165,7 @@ def list_jobs(
     if status is not None:
         stmt = stmt.where(CompileJobRow.status == JobStatus(status).value)
     stmt = stmt.order_by(CompileJobRow.created_at.desc(), CompileJobRow.id).limit(limit)
-    return [_job(row) for row in session.scalars(stmt)]
+    return [job_from_row(row) for row in session.scalars(stmt)]
 
 
 def latest_job(
@@ -212,7 +186,7 @@ def latest_job(
         stmt = stmt.where(CompileJobRow.status.in_([s.value for s in statuses]))
     stmt = stmt.order_by(CompileJobRow.created_at.desc(), CompileJobRow.id).limit(1)
     row = session.scalars(stmt).first()
-    return _job(row) if row is not None else None
+    return job_from_row(row) if row is not None else None
 
 
 def latest_jobs(
@@ -230,7 +204,7 @@ def latest_jobs(
     found: dict[str, CompileJob] = {}
     for row in session.scalars(stmt):
         if row.fingerprint_key not in found:
-            found[row.fingerprint_key] = _job(row)
+            found[row.fingerprint_key] = job_from_row(row)
     return found
 
 
@@ -272,8 +246,6 @@ def start_job(
     and the stage (``pending``) are set; ``attempts`` grows by one when ``count_attempt`` (a
     build starts; a publish resumed from kept outputs is no new build).
     """
-    from services.db.repo.workers import instance_alive
-
     row = _locked_job(session, job_id)
     if JobStatus(row.status).terminal:
         log.info("job %s is already %s; %s leaves it alone", job_id, row.status, worker)
@@ -299,7 +271,7 @@ def start_job(
                    f"(KILN_MAX_JOB_ATTEMPTS) is {max_attempts}; its last attempt ended at "
                    f"stage {row.stage} on {row.worker}; giving up")
         log.error("%s", message)
-        _finish(row, JobStatus.FAILED)
+        finish_row(row, JobStatus.FAILED)
         row.error = ErrorBody(code=ErrorCode.WORKER_LOST, message=message,
                               details={"worker": row.worker, "attempts": row.attempts,
                                        "stage": row.stage}).model_dump(mode="json")
@@ -317,7 +289,7 @@ def start_job(
     row.started_at = now
     row.updated_at = now
     session.flush()
-    return _job(row)
+    return job_from_row(row)
 
 
 def schedule_build_retry(session: Session, *, job_id: str, base_s: float,
@@ -402,7 +374,7 @@ def jobs_to_enqueue(session: Session, *, grace_s: float, requeue_s: float) -> li
         .order_by(CompileJobRow.created_at)
         .with_for_update(skip_locked=True)
     )
-    return [_job(row) for row in session.scalars(stmt)]
+    return [job_from_row(row) for row in session.scalars(stmt)]
 
 
 def set_job_stage(session: Session, *, job_id: str, stage: JobStage, progress: float) -> None:
@@ -444,11 +416,6 @@ def set_job_status(session: Session, *, job_id: str, status: JobStatus) -> None:
     session.flush()
 
 
-def _finish(row: CompileJobRow, status: JobStatus) -> None:
-    now = utcnow()
-    row.status = status.value
-    row.updated_at = now
-    row.finished_at = now
 
 
 def succeed_job(
@@ -458,7 +425,7 @@ def succeed_job(
     job already finished otherwise, ``NotFound`` when the job or artifact is unknown."""
     row = _locked_job(session, job_id)
     if row.status == JobStatus.SUCCEEDED.value and row.artifact_id == artifact_id:
-        return _job(row)
+        return job_from_row(row)
     if JobStatus(row.status).terminal:
         raise Conflict(
             f"compile job {job_id} is already {row.status} (artifact {row.artifact_id}); "
@@ -466,14 +433,14 @@ def succeed_job(
             job_id=job_id,
         )
     _require_artifact(session, artifact_id)
-    _finish(row, JobStatus.SUCCEEDED)
+    finish_row(row, JobStatus.SUCCEEDED)
     row.stage = JobStage.DONE.value
     row.progress = 1.0
     row.artifact_id = artifact_id
     row.cache_hit = cache_hit
     row.error = None
     session.flush()
-    return _job(row)
+    return job_from_row(row)
 
 
 def fail_job(session: Session, *, job_id: str, error: ErrorBody) -> CompileJob:
@@ -482,17 +449,17 @@ def fail_job(session: Session, *, job_id: str, error: ErrorBody) -> CompileJob:
     row = _locked_job(session, job_id)
     if row.status in (JobStatus.FAILED.value, JobStatus.CANCELLED.value):
         log.info("job %s is already %s; keeping that", job_id, row.status)
-        return _job(row)
+        return job_from_row(row)
     if row.status == JobStatus.SUCCEEDED.value:
         raise Conflict(
             f"compile job {job_id} already succeeded (artifact {row.artifact_id}); cannot "
             f"mark it failed with {error.code}: {error.message}",
             job_id=job_id,
         )
-    _finish(row, JobStatus.FAILED)
+    finish_row(row, JobStatus.FAILED)
     row.error = error.model_dump(mode="json")
     session.flush()
-    return _job(row)
+    return job_from_row(row)
 
 
 def cancel_job(session: Session, *, job_id: str) -> tuple[CompileJob, bool]:
@@ -506,14 +473,14 @@ def cancel_job(session: Session, *, job_id: str) -> tuple[CompileJob, bool]:
             f"job can be cancelled" + ("" if state is JobStatus.SUCCEEDED else
                                        " (`kiln jobs retry` queues it again)"),
             job_id=job_id, status=state.value)
-    _finish(row, JobStatus.CANCELLED)
+    finish_row(row, JobStatus.CANCELLED)
     row.error = ErrorBody(
         code=ErrorCode.CANCELLED,
         message=f"cancelled by an operator while {state.value} at stage {row.stage}",
         details={"status": state.value, "stage": row.stage, "worker": row.worker},
     ).model_dump(mode="json")
     session.flush()
-    return _job(row), state is JobStatus.RUNNING
+    return job_from_row(row), state is JobStatus.RUNNING
 
 
 def retry_job(session: Session, *, job_id: str, served: bool) -> tuple[CompileJob, bool]:
@@ -532,7 +499,7 @@ def retry_job(session: Session, *, job_id: str, served: bool) -> tuple[CompileJo
             f"retry (`kiln rebuild MODEL --key KEY` forces a fresh build)",
             job_id=job_id, status=state.value)
     if not state.terminal:
-        return _job(row), False
+        return job_from_row(row), False
     now = utcnow()
     row.status = (JobStatus.QUEUED if served else JobStatus.WAITING_FOR_HARDWARE).value
     row.stage = JobStage.PENDING.value
@@ -551,4 +518,4 @@ def retry_job(session: Session, *, job_id: str, served: bool) -> tuple[CompileJo
     row.updated_at = now
     session.flush()
     log.info("job %s queued again (retry %d)", job_id, row.retries)
-    return _job(row), True
+    return job_from_row(row), True

@@ -14,24 +14,19 @@ from schemas.fingerprint import HardwareFingerprint
 from schemas.jobs import CompileJob, JobStage, JobStatus
 from schemas.workers import WorkerInfo
 from services.db.repo._common import _insert
-from services.db.repo.jobs import _finish, _job
+from services.db.repo._rows import (  # noqa: F401  (the liveness rules, as before)
+    DEFAULT_WORKER_HEARTBEAT_S,
+    MISSED_BEATS,
+    WORKER_GRACE,
+    finish_row,
+    instance_alive,
+    job_from_row,
+    worker_alive,
+    worker_ttl,
+)
 from services.db.tables import CompileJobRow, WorkerRow, utcnow
 
 log = logging.getLogger(__name__)
-
-#: A worker's heartbeat interval when it did not record one (``WorkerSettings``' default).
-DEFAULT_WORKER_HEARTBEAT_S = 10.0
-#: A worker is alive while its last heartbeat is younger than this many of its intervals,
-#: plus ``WORKER_GRACE`` for clock skew and a slow database.
-MISSED_BEATS = 3
-WORKER_GRACE = timedelta(seconds=2)
-
-
-def worker_ttl(heartbeat_s: float | None) -> timedelta:
-    """How long after its last heartbeat a worker still counts as alive."""
-    interval = timedelta(seconds=heartbeat_s or DEFAULT_WORKER_HEARTBEAT_S)
-    return MISSED_BEATS * interval + WORKER_GRACE
-
 
 def heartbeat_worker(
     session: Session,
@@ -87,22 +82,6 @@ def heartbeat_worker(
     if not stopping:
         release_waiting_jobs(session, fingerprint_keys=fingerprint_keys)
     return _worker(row)
-
-
-def _alive(row: WorkerRow) -> bool:
-    return not row.stopped and utcnow() - row.last_seen < worker_ttl(row.heartbeat_s)
-
-
-def instance_alive(session: Session, *, name: str | None, instance: str | None) -> bool:
-    """Whether process ``instance`` still heartbeats under worker ``name``. A restart under
-    the same name is another instance: the old one counts as dead. Without an instance
-    (a row written before instances existed), the name alone decides."""
-    row = session.get(WorkerRow, name or "")
-    if row is None:
-        return False
-    if instance is not None and row.instance != instance:
-        return False
-    return _alive(row)
 
 
 def live_workers(session: Session) -> tuple[set[str], dict[str, set[str]]]:
@@ -186,7 +165,7 @@ def sweep_orphaned_jobs(
     Returns ``(requeued, failed)``.
     """
     rows = {w.name: w for w in session.scalars(sa.select(WorkerRow))}
-    served = {key for w in rows.values() if _alive(w) for key in w.fingerprint_keys}
+    served = {key for w in rows.values() if worker_alive(w) for key in w.fingerprint_keys}
     now = utcnow()
     stmt = (
         sa.select(CompileJobRow)
@@ -200,7 +179,7 @@ def sweep_orphaned_jobs(
         if row.deadline_at is not None and now > row.deadline_at:
             message = (f"job {row.id} ran past its time limit (deadline "
                        f"{row.deadline_at.isoformat()}) at stage {row.stage} on {row.worker}")
-            _finish(row, JobStatus.FAILED)
+            finish_row(row, JobStatus.FAILED)
             row.error = ErrorBody(code=ErrorCode.TIMED_OUT, message=message,
                                   details={"stage": row.stage, "worker": row.worker}
                                   ).model_dump(mode="json")
@@ -213,7 +192,7 @@ def sweep_orphaned_jobs(
                 f"while job {row.id} was at stage {row.stage} (attempt {row.attempts} of "
                 f"{max_attempts})")
         if row.attempts >= max_attempts:
-            _finish(row, JobStatus.FAILED)
+            finish_row(row, JobStatus.FAILED)
             row.error = ErrorBody(code=ErrorCode.WORKER_LOST, message=f"{lost}; giving up",
                                   details={"worker": row.worker, "attempts": row.attempts,
                                            "stage": row.stage}).model_dump(mode="json")
@@ -231,7 +210,7 @@ def sweep_orphaned_jobs(
         requeued.append(row)
         log.warning("%s; queued again", lost)
     session.flush()
-    return [_job(r) for r in requeued], [_job(r) for r in failed]
+    return [job_from_row(r) for r in requeued], [job_from_row(r) for r in failed]
 
 
 def list_workers(session: Session) -> list[WorkerInfo]:
@@ -258,7 +237,7 @@ def prune_workers(session: Session, *, gone_for: timedelta) -> list[str]:
 
 
 def _worker(row: WorkerRow) -> WorkerInfo:
-    alive = _alive(row)
+    alive = worker_alive(row)
     return WorkerInfo(
         name=row.name,
         instance=row.instance,
