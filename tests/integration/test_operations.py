@@ -33,7 +33,7 @@ def test_rebuild_and_recovery_from_a_lost_blob(kiln_stack):
     assert first.status is JobStatus.SUCCEEDED, first.error
 
     # A forced rebuild builds (no cache hit) and lands on the same artifact id, ready.
-    forced = client.wait_job(client.rebuild(model.id[:12], key).id, timeout_s=180)
+    forced = client.wait_job(client.rebuild(model.id[:12], key, UNTUNED).id, timeout_s=180)
     assert forced.status is JobStatus.SUCCEEDED, forced.error
     assert forced.force and not forced.cache_hit and forced.attempts == 1
     assert forced.artifact_id == first.artifact_id
