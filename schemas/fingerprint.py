@@ -228,9 +228,11 @@ def unmet_requirements(requirements: EngineRequirements, fingerprint: HardwareFi
     if missing:
         unmet.append(f"CPU feature(s) {' and '.join(w.replace('|', ' or ') for w in missing)}")
     for runtime, version in sorted(requirements.runtimes.items()):
-        have_version = _mm(fingerprint.runtimes.get(runtime))
-        if not have_version or not (have_version == version
-                                    or have_version.startswith(version + ".")):
+        # Numeric parts on both sides: a build recorded "2.13.0+cpu" where the node reports
+        # the same release, and a local-version suffix is no other runtime.
+        have_version, want = _mm(fingerprint.runtimes.get(runtime)), _mm(version) or version
+        if not have_version or not (have_version == want
+                                    or have_version.startswith(want + ".")):
             unmet.append(f"{runtime} {version} (the node has "
                          f"{fingerprint.runtimes.get(runtime) or 'none'})")
     if requirements.compute_capability is not None:

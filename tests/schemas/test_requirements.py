@@ -101,3 +101,17 @@ def test_real_cpus_are_consistent():
         _, _, features = parse_cpuinfo(f"flags : {flags}\n", "x86_64")
         assert fingerprint_inconsistencies(fp(features)) == []
     assert fingerprint_inconsistencies(fp(["neon", "fp16", "dotprod"], arch="aarch64")) == []
+
+
+def test_a_runtime_is_matched_on_its_numeric_release():
+    """The default rule records the build host's runtime as it reports itself ("2.13.0+cpu"
+    for torch's CPU wheel); the same release on the node meets it, another does not."""
+    req = EngineRequirements(arch="x86_64", runtimes={"torch": "2.13.0+cpu"})
+    node = HardwareFingerprint(cpu=CpuInfo(arch="x86_64", features=V3, cores=2),
+                               runtimes={"torch": "2.13.0+cpu"})
+    assert unmet_requirements(req, node) == []
+    older = node.model_copy(update={"runtimes": {"torch": "2.12.1+cpu"}})
+    assert unmet_requirements(req, older) == ["torch 2.13.0+cpu (the node has 2.12.1+cpu)"]
+    minor = EngineRequirements(arch="x86_64", runtimes={"onnxruntime": "1.32"})
+    assert unmet_requirements(minor, fp(V3, ort="1.32.0")) == []
+    assert unmet_requirements(minor, fp(V3, ort="1.33.0")) != []
