@@ -18,7 +18,7 @@ import pytest
 from kiln.stack import EmbeddedStack
 from schemas import CompileOptions, JobStatus
 from tests.integration.agents import AgentProcess, outputs
-from tests.integration.conftest import wait_for_worker
+from tests.integration.conftest import running_stack, wait_for_worker
 from tests.models.torch_programs import (
     kthvalue_archive,
     kthvalue_program,
@@ -30,6 +30,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.aotinductor]
 
 OPTIONS = CompileOptions(tune="off")
 X = {"x": np.random.default_rng(0).standard_normal((4, 16), dtype=np.float32)}
+
+
+@pytest.fixture
+def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[EmbeddedStack]:
+    """The embedded stack with a failed build's retry an hour away: what the agent is told of
+    a backend whose build failed is that failure, not a retry the planner queued because the
+    cold AOTInductor build outlasted the default backoff."""
+    yield from running_stack(request, tmp_path, overrides={"KILN_BUILD_RETRY_BASE_S": "3600"})
 
 
 @pytest.fixture
