@@ -8,7 +8,8 @@ batch 16, queue delay ``--delay-us``, ``--instances`` engine instances). perf_an
 against each over HTTP and gRPC at concurrency 1, 4 and 16; the table gives throughput and
 p50/p99 latency per row, each the median [min–max] over ``--rounds`` runs interleaved
 between the two models. Under it, what the batcher adds to a lone client at queue delay 0:
-``inference.run`` in process, with and without the batcher, median and p10–p90 per call.
+``inference.run`` in process, with and without the batcher, median and p10–p90 per call; and
+the engine alone at batch 1 and 16 (``engine_ceiling``): the most any batcher can give here.
 
     .venv/bin/python bench/batching.py            # ResNet-50
     .venv/bin/python bench/batching.py --mlp      # smoke run
@@ -127,6 +128,33 @@ def lone_client_overhead(artifact: Path, feed: dict[str, np.ndarray], calls: int
           f"(ratio {p['batched'][1] / p['plain'][1]:.3f})")
 
 
+def engine_ceiling(artifact: Path, feed: dict[str, np.ndarray], *, rounds: int) -> None:
+    """The engine alone, in process: inferences per second at batch 1 and at batch 16,
+    interleaved. No batcher serves more than the engine does at the batch it forms, so the
+    ratio is the most dynamic batching can give on this machine: a CPU whose kernels are
+    already busy at batch 1 gains little, a GPU much."""
+    from runtime_agent.artifact_dir import load_artifact
+
+    executor = load_artifact(artifact)
+    feeds = {1: feed, 16: {n: np.repeat(v, 16, axis=0) for n, v in feed.items()}}
+    for batch in feeds:  # warm-up
+        executor.run(feeds[batch])
+    per_image: dict[int, list[float]] = {1: [], 16: []}
+    for _ in range(rounds):
+        for batch, calls in ((1, 16), (16, 1)):  # the same images each turn
+            start = time.perf_counter()
+            for _ in range(calls):
+                executor.run(feeds[batch])
+            per_image[batch].append((time.perf_counter() - start) / 16)
+    rate = {b: [1 / t for t in times] for b, times in per_image.items()}
+    print(f"\nthe engine alone, in process ({rounds} interleaved rounds of 16 images; "
+          f"load {os.getloadavg()[0]:.2f}): inferences/s median [min–max]")
+    for batch, values in rate.items():
+        print(f"  batch {batch:2d}: {_spread(values, 1)}")
+    print(f"  ceiling of batching: batch 16 / batch 1 = "
+          f"{statistics.median(rate[16]) / statistics.median(rate[1]):.2f}")
+
+
 def dynamic_batch(path: Path) -> bytes:
     """The exported model (batch 1) with a dynamic batch axis: the first dimension of every
     input and output named ``N``, and each Reshape to a constant shape that starts with 1
@@ -227,6 +255,7 @@ def main(args: argparse.Namespace) -> None:
             server.stdin.close()
         server.wait(30)
     lone_client_overhead(artifact, feed, args.calls)
+    engine_ceiling(artifact, feed, rounds=5)
 
 
 if __name__ == "__main__":
