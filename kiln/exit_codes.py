@@ -42,6 +42,7 @@ EXIT_CODES: dict[ErrorCode, int] = {
     ErrorCode.SANDBOX_CRASHED: 32,
     ErrorCode.CANCELLED: 33,
     ErrorCode.UNSUPPORTED_OPERATOR: 34,
+    ErrorCode.FINGERPRINT_INCONSISTENT: 35,
     ErrorCode.INTEGRITY_ERROR: 40,
     ErrorCode.SIGNATURE_INVALID: 41,
     ErrorCode.METADATA_REFUSED: 42,

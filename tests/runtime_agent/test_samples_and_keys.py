@@ -5,7 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from compiler_worker.backends import AOTInductorBackend, OnnxRuntimeBackend, OpenVinoBackend
+from compiler_worker.backends import (
+    AOTInductorBackend,
+    IreeBackend,
+    OnnxRuntimeBackend,
+    OpenVinoBackend,
+)
 from runtime_agent.executors import OnnxRuntimeExecutor, node_fingerprint_keys
 from runtime_agent.fingerprint import detect_fingerprint
 from runtime_agent.samples import INT_HIGH, sample_inputs
@@ -45,7 +50,8 @@ def test_the_agent_computes_the_keys_the_compiler_builds_for() -> None:
     assert keys == {name: backend.fingerprint_key(fingerprint)
                     for name, backend in (("onnxruntime", OnnxRuntimeBackend()),
                                           ("aotinductor", AOTInductorBackend()),
-                                          ("openvino", OpenVinoBackend()))
+                                          ("openvino", OpenVinoBackend()),
+                                          ("iree", IreeBackend()))
                     if backend.supports(fingerprint)}
     assert "onnxruntime" in keys
     riscv = HardwareFingerprint(cpu=CpuInfo(arch="riscv64"),
