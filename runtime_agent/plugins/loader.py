@@ -23,7 +23,7 @@ import re
 import shutil
 import sys
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path, PurePosixPath
@@ -48,7 +48,8 @@ from schemas.plugins import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadedPlugin", "Target", "load_bundle", "load_plugin", "read_manifest"]
+__all__ = ["LoadedPlugin", "Target", "load_bundle", "load_plugin", "plugins_of_entries",
+           "read_manifest"]
 
 #: (backend, device), e.g. ``("onnxruntime", "cpu")``.
 Target = tuple[str, str]
@@ -416,3 +417,21 @@ def load_bundle(
         shutil.rmtree(destination, ignore_errors=True)
         extract_bundle(Path(archive), destination, digest=ref.digest)
     return load_plugin(destination, manifest, digest=ref.digest, target=target, abi=abi, ops=ops)
+
+
+def plugins_of_entries(entries: Sequence[Mapping[str, Any]],
+                       plugins: Iterable[LoadedPlugin]) -> list[LoadedPlugin]:
+    """The loaded plugins an artifact's ``runtime_config["custom_ops"]`` entries name, by
+    digest, for an executor's custom-op adapter to resolve; ``NoImplementation`` naming the op
+    when an entry's plugin is not loaded (each op must come from the plugin it was built and
+    verified with)."""
+    loaded = list(plugins)
+    by_digest = {p.digest: p for p in loaded}
+    for entry in entries:
+        if entry.get("plugin") not in by_digest:
+            raise NoImplementation(
+                f"the engine runs op {entry.get('op')} from plugin {entry.get('plugin')}, "
+                f"which is not loaded; loaded plugins: "
+                f"{[f'{p.label} ({p.digest[:12]})' for p in loaded] or 'none'}",
+                op=entry.get("op"), plugin=entry.get("plugin"))
+    return [by_digest[d] for d in {e["plugin"] for e in entries}]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime_agent.plugins.errors import NoImplementation
-from runtime_agent.plugins.loader import LoadedPlugin
+from runtime_agent.plugins.loader import LoadedPlugin, plugins_of_entries
 from runtime_agent.plugins.registry import NativeLibrary, OpRegistry
 from schemas.errors import BackendUnavailable
 
@@ -102,15 +102,7 @@ class CoreExtensions:
         """An executor's side: resolve ``runtime_config["custom_ops"]`` against the loaded
         plugins; each op must come from the plugin (digest) and library it was built and
         verified with."""
-        by_digest = {p.digest: p for p in plugins}
-        for entry in entries:
-            if entry.get("plugin") not in by_digest:
-                raise NoImplementation(
-                    f"the engine runs op {entry.get('op')} from plugin {entry.get('plugin')}, "
-                    f"which is not loaded; loaded plugins: "
-                    f"{[f'{p.label} ({p.digest[:12]})' for p in plugins] or 'none'}",
-                    op=entry.get("op"), plugin=entry.get("plugin"))
-        resolved = cls.resolve([by_digest[d] for d in {e["plugin"] for e in entries}],
+        resolved = cls.resolve(plugins_of_entries(entries, plugins),
                                [e["op"] for e in entries], device)
         recorded = {(e["op"], e["kind"], e.get("entry"), e["plugin"]) for e in entries}
         actual = {(e["op"], e["kind"], e.get("entry"), e["plugin"])
