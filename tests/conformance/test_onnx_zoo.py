@@ -34,15 +34,21 @@ def test_onnx_zoo(suite: str, tmp_path: Path) -> None:
     onnxruntime.set_default_logger_severity(4)
     fingerprint = detect_fingerprint()
     outcomes = [zoo.run_case(case, fingerprint, tmp_path) for case in SUITES[suite]()]
+    _judge(suite, outcomes, MIN_PASSED[suite])
+
+
+def _judge(label: str, outcomes: list, minimum: int) -> None:
+    """Print the suite's tally and every model that did not pass; fail on any failure, or
+    when fewer than ``minimum`` passed."""
     counts = Counter(o.status for o in outcomes)
-    lines = [f"{suite}: {len(outcomes)} models, " + ", ".join(
+    lines = [f"{label}: {len(outcomes)} models, " + ", ".join(
         f"{counts[s]} {s}" for s in ("passed", "failed", "skipped", "unsupported"))]
     lines += [f"  {o.status:11} {o.case}: {o.reason}" for o in outcomes
               if o.status != "passed"]
     print("\n".join(lines))
     failed = [f"{o.case}: {o.reason}" for o in outcomes if o.status == "failed"]
     assert not failed, "\n".join(failed)
-    assert counts["passed"] >= MIN_PASSED[suite], lines[0]
+    assert counts["passed"] >= minimum, lines[0]
 
 
 def test_onnx_light_zoo_on_openvino(tmp_path: Path) -> None:
@@ -55,12 +61,4 @@ def test_onnx_light_zoo_on_openvino(tmp_path: Path) -> None:
     fingerprint = detect_fingerprint()
     outcomes = [zoo.run_case(case, fingerprint, tmp_path, backend="openvino")
                 for case in zoo.light_cases()]
-    counts = Counter(o.status for o in outcomes)
-    lines = [f"light on openvino: {len(outcomes)} models, " + ", ".join(
-        f"{counts[s]} {s}" for s in ("passed", "failed", "skipped", "unsupported"))]
-    lines += [f"  {o.status:11} {o.case}: {o.reason}" for o in outcomes
-              if o.status != "passed"]
-    print("\n".join(lines))
-    failed = [f"{o.case}: {o.reason}" for o in outcomes if o.status == "failed"]
-    assert not failed, "\n".join(failed)
-    assert counts["passed"] >= OPENVINO_MIN_PASSED, lines[0]
+    _judge("light on openvino", outcomes, OPENVINO_MIN_PASSED)
