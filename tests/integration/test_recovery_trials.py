@@ -287,5 +287,10 @@ def test_a_pool_child_killed_at_every_attempt_ends_worker_lost_and_its_workdir_g
     failed = fault_stack.client.wait_job(job.id, timeout_s=120)
     assert failed.status is JobStatus.FAILED and failed.error.code == "worker_lost", failed
     assert failed.attempts == 2 and "started 2 times" in failed.error.message
+    # The API fails the job while refusing the third delivery's claim; that delivery removes
+    # the work directory when the refusal reaches it, a moment after the job reads failed.
+    deadline = time.monotonic() + 30
+    while workdir.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not workdir.exists()
     assert worker.poll() is None  # the worker lives on
