@@ -221,12 +221,19 @@ def _worker(conn: Any, spec: dict[str, Any]) -> None:
             elif command == "outputs":
                 conn.send(("ok", [run(f) for f in args[0]]))
             elif command == "time":
-                samples = []
+                # The share of the CPU other processes took meanwhile: this engine's own
+                # threads are excluded, so a quiet machine reads near zero whatever its
+                # thread count (the tuner judges its own rounds the same way).
+                from compiler_worker.benchmark import CpuSampler
+
+                samples, sampler = [], CpuSampler()
+                sampler.start()
                 for _ in range(args[0]):
                     started = time.perf_counter()
                     run(feed)
                     samples.append(time.perf_counter() - started)
-                conn.send(("ok", samples))
+                share = sampler.stop()
+                conn.send(("ok", (samples, share.busy, share.steal)))
             elif command == "stop":
                 conn.send(("ok", None))
                 return
@@ -566,23 +573,33 @@ def run_case(label: str, case: Case, args: argparse.Namespace, work: Path) -> No
         for engine in live:
             outputs = workers[engine.name].ask("outputs", feeds)
             engine.accuracy, engine.gated = _accuracy(architecture.output, outputs, reference)
-        load = [os.getloadavg()[0]]
+        load, others, steal = [os.getloadavg()[0]], [], []
         for r in range(args.rounds):
             print(f"[{label}] round {r + 1}/{args.rounds}", file=sys.stderr)
             for i in range(len(live)):
                 engine = live[(i + r) % len(live)]
-                engine.times += workers[engine.name].ask("time", args.iters)
+                times, busy, stolen = workers[engine.name].ask("time", args.iters)
+                engine.times += times
+                others.append(busy)
+                steal.append(stolen)
             load.append(os.getloadavg()[0])
     finally:
         for worker in workers.values():
             worker.close()
     _print_case(label, case, model.exporter, size, rule, engines)
-    # The timing rounds keep one engine busy at a time, so a quiet machine reads about 1; a
-    # figure taken well above that shared the cores with something else and is no result.
-    print(f"\nLoad (1-minute average) over the timed rounds: {min(load):.2f}–{max(load):.2f} "
-          f"on {os.cpu_count()} logical CPUs"
-          + (" — **loaded: measure again on a quiet machine**"
-             if max(load) > 1.5 + 0.25 * (os.cpu_count() or 1) else ""))
+    # One engine runs at a time, and its own threads count in the load average (about as
+    # many as the machine has cores on a quiet machine). What says whether anything else
+    # shared the cores is the CPU share of other processes while each engine was timed,
+    # judged by the tuner's own thresholds: above them a table is no result.
+    from compiler_worker.tuner import BUSY_THRESHOLD, STEAL_THRESHOLD
+
+    loaded = max(others, default=0.0) > BUSY_THRESHOLD or max(steal, default=0.0) > STEAL_THRESHOLD
+    print(f"\nOther processes' share of the CPU while each engine was timed: median "
+          f"{statistics.median(others or [0.0]):.0%}, max {max(others, default=0.0):.0%}; "
+          f"steal max {max(steal, default=0.0):.0%} (thresholds {BUSY_THRESHOLD:.0%} / "
+          f"{STEAL_THRESHOLD:.0%}); load average {min(load):.2f}–{max(load):.2f} on "
+          f"{os.cpu_count()} logical CPUs"
+          + (" — **loaded: measure again on a quiet machine**" if loaded else " — quiet"))
 
 
 def _print_case(label: str, case: Case, exporter: str, size: str, rule: str,

@@ -17,8 +17,11 @@ call and ``SCREEN_CALLS`` timed warm calls; only a candidate whose fastest call 
 backend's, are then timed in the same interleaved rounds (round ``r`` runs every candidate in
 turn, so drift hits them alike), with the host's CPU sampled before and during each round.
 A busy host (other processes' share of the CPU over ``BUSY_THRESHOLD``, steal over
-``STEAL_THRESHOLD``) or a fastest finalist within noise of the default (their timings' middle
-halves overlap) is measured again, up to ``MAX_REMEASURES`` times within the budget. The
+``STEAL_THRESHOLD``) or a fastest finalist within noise of the default is measured again, up
+to ``MAX_REMEASURES`` times within the budget. Two finalists are told apart when their
+timings' middle halves do not overlap, or when the faster one was faster in every interleaved
+round by at least ``MIN_LEAD`` overall (a paired comparison: drift shifts both alike, so a
+lead held round after round is real even where each engine's own spread is wide). The
 quietest measurement decides: the fastest wins when it is separable from the default,
 otherwise the default is kept; on a host that stayed busy, no candidate with another thread
 policy than the default's wins (contention favours fewer threads; the node that runs the
@@ -109,8 +112,10 @@ class TuningOutcome:
 def accuracy(gate: AccuracyGate, got: Sequence[Mapping[str, np.ndarray]],
              expected: Sequence[Mapping[str, np.ndarray]]) -> float:
     """The gate's figure for the engine's outputs ``got`` against the reference's, over every
-    feed: the worst output's cosine similarity, the share of rows whose arg-max over the last
-    axis of the first output agrees, or the largest absolute difference."""
+    feed: the worst cosine similarity of any output on any one feed, the share of rows whose
+    arg-max over the last axis of the first output agrees, or the largest absolute difference.
+    The cosine is taken per feed: over all feeds at once, samples with large outputs would
+    outweigh the ones an engine gets wrong, and a user's request is one feed."""
     names = list(expected[0])
     if gate.metric is AccuracyMetric.TOP1_AGREEMENT:
         name = names[0]
@@ -124,18 +129,21 @@ def accuracy(gate: AccuracyGate, got: Sequence[Mapping[str, np.ndarray]],
             total += a.size
         return agree / total if total else 0.0
     worst = 1.0 if gate.metric is AccuracyMetric.COSINE else 0.0
+    if len(got) != len(expected):
+        return 0.0 if gate.metric is AccuracyMetric.COSINE else float("inf")
     for name in names:
-        g = np.concatenate([np.asarray(o[name], np.float64).ravel() for o in got])
-        e = np.concatenate([np.asarray(o[name], np.float64).ravel() for o in expected])
-        if g.shape != e.shape:
-            return 0.0 if gate.metric is AccuracyMetric.COSINE else float("inf")
-        if gate.metric is AccuracyMetric.MAX_ABS:
-            worst = max(worst, float(np.max(np.abs(g - e))) if g.size else 0.0)
-            continue
-        norm = float(np.linalg.norm(g) * np.linalg.norm(e))
-        cosine = 1.0 if norm == 0 and not g.any() and not e.any() else (
-            float(np.dot(g, e) / norm) if norm else 0.0)
-        worst = min(worst, cosine if np.isfinite(cosine) else 0.0)
+        for got_one, expected_one in zip(got, expected, strict=True):
+            g = np.asarray(got_one[name], np.float64).ravel()
+            e = np.asarray(expected_one[name], np.float64).ravel()
+            if g.shape != e.shape:
+                return 0.0 if gate.metric is AccuracyMetric.COSINE else float("inf")
+            if gate.metric is AccuracyMetric.MAX_ABS:
+                worst = max(worst, float(np.max(np.abs(g - e))) if g.size else 0.0)
+                continue
+            norm = float(np.linalg.norm(g) * np.linalg.norm(e))
+            cosine = 1.0 if norm == 0 and not g.any() and not e.any() else (
+                float(np.dot(g, e) / norm) if norm else 0.0)
+            worst = min(worst, cosine if np.isfinite(cosine) else 0.0)
     return worst
 
 
@@ -203,6 +211,12 @@ BUSY_THRESHOLD = 0.25
 STEAL_THRESHOLD = 0.05
 #: Measurements after the first, when the host was busy or the finalists within noise.
 MAX_REMEASURES = 2
+#: A finalist faster than another in every interleaved round leads it beyond noise only from
+#: this many rounds (the chance that an equal engine wins them all halves with each round) ...
+MIN_PAIRED_ROUNDS = 5
+#: ... and by at least this share of the slower one's median: a smaller lead is not worth
+#: leaving the default for (nodes and builds differ by as much).
+MIN_LEAD = 0.02
 #: Seconds the host is sampled, idle, before each measurement.
 HOST_SAMPLE_S = 0.1
 #: Shorter windows hold too few of the kernel's CPU-time ticks to say anything (a round of a
@@ -255,6 +269,8 @@ class _Measurement:
     timings: dict[int, list[float]]
     samples: list[HostSample]
     seconds: float
+    #: Timed calls of each trial per round, in order (the rounds of ``timings``).
+    per_round: list[int] = field(default_factory=list)
 
     @property
     def busy(self) -> float:
@@ -279,15 +295,32 @@ class _Measurement:
         p50 = self.p50(trial)
         return 2.0 * self.half_iqr(trial) / p50 if p50 > 0 else 0.0
 
+    def round_medians(self, trial: Trial) -> list[float]:
+        """The median of each round's calls of ``trial``."""
+        medians, start, own = [], 0, self.timings[id(trial)]
+        for count in self.per_round:
+            if count:
+                medians.append(float(np.median(own[start:start + count])))
+            start += count
+        return medians
+
     def separable(self, fast: Trial, slow: Trial) -> bool:
-        """Whether ``fast``'s lead over ``slow`` exceeds half the interquartile range of each:
-        their middle halves do not overlap."""
-        return self.p50(slow) - self.p50(fast) > self.half_iqr(fast) + self.half_iqr(slow)
+        """Whether ``fast`` leads ``slow`` beyond noise: their middle halves do not overlap,
+        or ``fast`` was faster in each of at least ``MIN_PAIRED_ROUNDS`` interleaved rounds
+        and leads by ``MIN_LEAD`` of ``slow``'s median overall."""
+        lead = self.p50(slow) - self.p50(fast)
+        if lead > self.half_iqr(fast) + self.half_iqr(slow):
+            return True
+        fast_rounds, slow_rounds = self.round_medians(fast), self.round_medians(slow)
+        return (len(fast_rounds) >= MIN_PAIRED_ROUNDS and len(fast_rounds) == len(slow_rounds)
+                and all(f < s for f, s in zip(fast_rounds, slow_rounds, strict=True))
+                and lead >= MIN_LEAD * self.p50(slow))
 
 
 def _measure(trials: list[Trial], feed: Feed, iterations: int, index: int) -> _Measurement:
     """Sample the idle host, then time ``iterations`` calls of every trial in interleaved
-    rounds (round ``r`` runs every trial in turn), sampling the host during each round."""
+    rounds (round ``r`` runs every trial in turn, starting ``r`` trials later, so no trial
+    always follows the same one), sampling the host during each round."""
     started = time.perf_counter()
     before = sample_host(HOST_SAMPLE_S)
     samples = [HostSample(measurement=index, phase="before", seconds=before.seconds,
@@ -300,7 +333,8 @@ def _measure(trials: list[Trial], feed: Feed, iterations: int, index: int) -> _M
     whole.start()
     for number, count in enumerate(per_round):
         sampler.start()
-        for trial in trials:
+        for turn in range(len(trials)):
+            trial = trials[(turn + number) % len(trials)]
             run, own = trial.executor.run, timings[id(trial)]  # type: ignore[union-attr]
             for _ in range(count):
                 t0 = time.perf_counter()
@@ -314,7 +348,7 @@ def _measure(trials: list[Trial], feed: Feed, iterations: int, index: int) -> _M
     samples.append(HostSample(measurement=index, phase="during", seconds=share.seconds,
                               busy=share.busy, steal=share.steal, loadavg=share.loadavg))
     return _Measurement(index=index, timings=timings, samples=samples,
-                        seconds=time.perf_counter() - started)
+                        seconds=time.perf_counter() - started, per_round=per_round)
 
 
 @dataclass
@@ -371,8 +405,11 @@ def _benchmark(trials: list[Trial], feed: Feed, options: CompileOptions, started
         winner, verdict = default, f"the default is the fastest finalist; {host}"
     elif used.separable(fastest, default):
         winner = fastest
-        verdict = (f"{fastest.result.name} leads the default {default.result.name} beyond both "
-                   f"spreads; {host}")
+        rounds = used.round_medians(fastest), used.round_medians(default)
+        verdict = (f"{fastest.result.name} leads the default {default.result.name} beyond noise "
+                   f"({used.p50(fastest):.3f} against {used.p50(default):.3f} ms; faster in "
+                   f"{sum(f < d for f, d in zip(*rounds, strict=True))} of {len(rounds[0])} "
+                   f"rounds); {host}")
     else:
         winner = default
         verdict = (f"kept the default {default.result.name}: {fastest.result.name} "

@@ -126,7 +126,8 @@ class NoiseReport(BaseModel):
     used_measurement: int
     #: Relative spread (IQR / median) per finalist, in that measurement.
     spread: dict[str, float] = Field(default_factory=dict)
-    #: Whether the winner's lead over the runner-up exceeds both their spreads.
+    #: Whether the winner's lead over the runner-up is beyond noise: their middle halves do
+    #: not overlap, or it led in every interleaved round (see the tuner's ``separable``).
     separable: bool
     #: Why the winner is the winner: measured on a quiet host, or the default kept (busy host,
     #: finalists within noise).

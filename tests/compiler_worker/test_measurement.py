@@ -208,10 +208,11 @@ def test_one_slow_call_does_not_prune_a_candidate() -> None:
 
 
 def test_finalists_within_noise_of_the_default_keep_the_default(tmp_path: Path) -> None:
-    # The challenger's median is a little lower, but both spread over milliseconds: no
-    # measurement can tell them apart.
-    default = _trial("default", _Scripted([0.001, 0.002, 0.003]))
-    challenger = _trial("challenger", _Scripted([0.0008, 0.0018, 0.0028]))
+    # Both spread over milliseconds, and the challenger, faster overall, is slower in one
+    # round of every five, whatever call the rounds start at (rounds of three calls over a
+    # cycle of five): no measurement can tell them apart.
+    default = _trial("default", _Scripted([0.002, 0.004, 0.006]))
+    challenger = _trial("challenger", _Scripted([0.0016, 0.0064, 0.0036, 0.0044, 0.0024]))
     options = CompileOptions(benchmark_iterations=15, tuning_budget_s=30)
     choice = tuner_module._benchmark([default, challenger], FEED, options,
                                      time.perf_counter(), default=default,
@@ -219,6 +220,43 @@ def test_finalists_within_noise_of_the_default_keep_the_default(tmp_path: Path) 
     assert choice.winner is default
     assert choice.noise.remeasures >= 1  # measured again, still within noise
     assert not choice.noise.separable and "within noise" in choice.noise.verdict
+
+
+def test_a_lead_held_in_every_round_wins_though_the_spreads_overlap(tmp_path: Path) -> None:
+    # Each spreads over milliseconds (their middle halves overlap), but the challenger is
+    # faster in every interleaved round: a paired lead that drift cannot fake.
+    default = _trial("default", _Scripted([0.002, 0.004, 0.006]))
+    challenger = _trial("challenger", _Scripted([0.0016, 0.0036, 0.0056]))
+    options = CompileOptions(benchmark_iterations=15, tuning_budget_s=30)
+    choice = tuner_module._benchmark([default, challenger], FEED, options,
+                                     time.perf_counter(), default=default,
+                                     lock=tmp_path / "bench.lock")
+    used = choice.measurement
+    assert used.p50(default) - used.p50(challenger) < (used.half_iqr(default)
+                                                       + used.half_iqr(challenger))
+    assert choice.winner is challenger and choice.noise.separable
+    assert "faster in 5 of 5 rounds" in choice.noise.verdict
+
+
+def _separable(rounds: list[list[float]], other: list[list[float]]) -> bool:
+    """Whether timings ``rounds`` (per round) lead ``other``'s beyond noise."""
+    fast = _trial("fast", _Scripted([0.0]))
+    slow = _trial("slow", _Scripted([0.0]))
+    measurement = tuner_module._Measurement(
+        index=0, samples=[], seconds=0.0, per_round=[len(r) for r in rounds],
+        timings={id(fast): [t for r in rounds for t in r],
+                 id(slow): [t for r in other for t in r]})
+    assert measurement.p50(slow) - measurement.p50(fast) < (
+        measurement.half_iqr(fast) + measurement.half_iqr(slow))  # their middle halves overlap
+    return measurement.separable(fast, slow)
+
+
+def test_a_paired_lead_needs_every_round_enough_rounds_and_a_lead_worth_having() -> None:
+    wide = [[1.0, 5.0, 9.0]] * 5  # the slower one's timings: its middle half spans 3 to 7
+    assert _separable([[0.9, 4.5, 8.1]] * 5, wide)
+    assert not _separable([[0.9, 4.5, 8.1]] * 4 + [[1.0, 5.2, 9.0]], wide)  # lost a round
+    assert not _separable([[1.0, 4.95, 9.0]] * 5, wide)  # faster every round, by 1%
+    assert not _separable([[0.9, 4.5, 8.1]] * 4, wide[:4])  # too few rounds to tell
 
 
 def test_a_clear_lead_wins_over_the_default(tmp_path: Path) -> None:

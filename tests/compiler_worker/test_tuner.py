@@ -150,3 +150,23 @@ def test_samples_that_do_not_fit_the_model_are_refused(
     with pytest.raises(InvalidOptions, match="holds"):
         compile_model(MODEL, CompileOptions(**QUICK), fingerprint=fingerprint,
                       workdir=tmp_path, samples={"y": np.zeros((2, 4, 64), np.float32)})
+
+
+def test_the_cosine_gate_judges_each_feed_not_all_feeds_at_once() -> None:
+    from compiler_worker.tuner import accuracy
+    from schemas.options import AccuracyMetric
+
+    gate = AccuracyGate(metric=AccuracyMetric.COSINE, threshold=0.99)
+    rng = np.random.default_rng(0)
+    large, small = rng.standard_normal(256) * 100.0, rng.standard_normal(256)
+    expected = [{"y": large}, {"y": small}]
+    # Right on the sample with large outputs, wrong on the small one: over both feeds at once
+    # the large one hides the error; per feed it is there.
+    got = [{"y": large.copy()}, {"y": -small}]
+    pooled = np.dot(np.concatenate([large, -small]), np.concatenate([large, small])) / (
+        np.linalg.norm(np.concatenate([large, small])) ** 2)
+    assert pooled > 0.99
+    figure = accuracy(gate, got, expected)
+    assert figure == pytest.approx(-1.0) and not gate.passes(figure)
+    assert accuracy(gate, expected, expected) == pytest.approx(1.0)
+    assert accuracy(gate, got[:1], expected) == 0.0  # a feed missing is no pass
