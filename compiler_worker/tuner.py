@@ -29,8 +29,11 @@ engine is not contended so). The figures and the verdict land in ``TuningTable.n
 candidate in the table with its figures and why it lost.
 
 ``options.tuning_budget_s`` bounds the wall-clock time of the search: the first candidate is
-always built; once the budget is spent, the remaining ones are recorded as ``over_budget`` and
-benchmark iterations shrink to fit (never below ``MIN_ITERATIONS`` per candidate).
+always built; after it, the builds keep back what measuring the candidates that passed will
+take (their calls' cost while verified, times the screening and timed calls), and a candidate
+is not started when that leaves less than its backend's longest build so far; those are
+recorded as ``over_budget`` with the reason. Benchmark iterations shrink to fit what is left
+(never below ``MIN_ITERATIONS`` per candidate).
 
 A tuning record from an earlier build of the same (model, options, fingerprint key,
 toolchain) makes the tuner build only that record's winner, still verified and benchmarked.
@@ -96,6 +99,8 @@ class Trial:
     timings: list[float] = field(default_factory=list)
     #: The backend that builds it.
     backend: Backend | None = None
+    #: Seconds per call while it was verified: what measuring it will cost.
+    call_s: float = 0.0
 
 
 @dataclass
@@ -177,7 +182,9 @@ def _load(trial: Trial, root: Path,
 def _judge(trial: Trial, options: CompileOptions, feeds: Sequence[Feed],
            expected: Sequence[Mapping[str, np.ndarray]], reference: str) -> None:
     assert trial.executor is not None
+    t0 = time.perf_counter()
     got = [trial.executor.run(feed) for feed in feeds]
+    trial.call_s = (time.perf_counter() - t0) / max(1, len(feeds))
     trial.verification = verification_result(got, expected, options, reference=reference)
     trial.result.max_abs_error = trial.verification.max_abs_error
     gate = options.accuracy
@@ -566,10 +573,26 @@ def tune(
                              f"accuracy gate")
             continue
         built_any = any(t.executor is not None for t in trials)
-        if built_any and _budget_left(started, options.tuning_budget_s) <= 0:
-            result.outcome = CandidateOutcome.OVER_BUDGET
-            result.reason = f"the tuning budget of {options.tuning_budget_s:g} s was spent"
-            continue
+        if built_any:
+            # The builds leave the measurement what it needs to time every candidate that
+            # passed with its full iterations (a starved measurement cannot separate the
+            # finalists, so the default would win by default), and a candidate is not started
+            # when its backend's builds so far say it would not finish in what is left.
+            reserve = (SCREEN_CALLS + 1 + options.benchmark_iterations) * sum(
+                t.call_s for t in trials if t.executor is not None)
+            left = _budget_left(started, options.tuning_budget_s) - reserve
+            took = [t.result.build_s for t in trials
+                    if t.backend is owner and t.result.build_s is not None
+                    and t.built is not None]
+            needs = max(took) if took else 0.0
+            if left <= needs:
+                result.outcome = CandidateOutcome.OVER_BUDGET
+                result.reason = (
+                    f"would not finish within the tuning budget of {options.tuning_budget_s:g} "
+                    f"s: {max(left, 0.0):.1f} s left after keeping {reserve:.1f} s to measure "
+                    f"the candidates that passed" + (f", and {owner.name}'s builds so far took "
+                                                     f"up to {needs:.1f} s" if needs else ""))
+                continue
         root = workdir / f"candidate-{index}"
         t0 = time.perf_counter()
         try:

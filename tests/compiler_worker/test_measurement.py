@@ -201,7 +201,8 @@ def test_one_slow_call_does_not_prune_a_candidate() -> None:
     # call after that as fast as the others.
     slow_start = _trial("slow-start", _Scripted([0.03, 0.03] + [0.001] * 50))
     steady = _trial("steady", _Scripted([0.001]))
-    hopeless = _trial("hopeless", _Scripted([0.06]))
+    # Beyond 3x even the slow-start's slow call, should its median be the fastest.
+    hopeless = _trial("hopeless", _Scripted([0.1]))
     kept = tuner_module._screen([steady, slow_start, hopeless], FEED, protected=steady)
     assert slow_start in kept and steady in kept
     assert hopeless not in kept and "pruned after 3 warm calls" in hopeless.result.reason

@@ -170,3 +170,19 @@ def test_the_cosine_gate_judges_each_feed_not_all_feeds_at_once() -> None:
     assert figure == pytest.approx(-1.0) and not gate.passes(figure)
     assert accuracy(gate, expected, expected) == pytest.approx(1.0)
     assert accuracy(gate, got[:1], expected) == 0.0  # a feed missing is no pass
+
+
+def test_the_builds_keep_back_the_time_their_measurement_needs(
+        tmp_path: Path, fingerprint: HardwareFingerprint) -> None:
+    # Measuring a batch of 64 through wide layers 10,000 times takes far longer than the
+    # budget, which the first build leaves mostly unspent: nothing else is started, for the
+    # time left is the measurement's (without the reserve, the others would build).
+    model = mlp(in_features=1024, hidden=2048, out_features=1024, batch=64).SerializeToString()
+    options = CompileOptions(tuning_budget_s=6.0, benchmark_iterations=10_000,
+                             verify_samples=2, backends=["onnxruntime"])
+    result = compile_model(model, options, fingerprint=fingerprint, workdir=tmp_path)
+    candidates = result.manifest.tuning.candidates
+    assert candidates[0].outcome is CandidateOutcome.WON
+    later = [c for c in candidates[1:] if c.outcome is not CandidateOutcome.SKIPPED]
+    assert later and {c.outcome for c in later} == {CandidateOutcome.OVER_BUDGET}
+    assert all("to measure the candidates that passed" in c.reason for c in later)
