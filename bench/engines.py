@@ -89,6 +89,9 @@ class Case:
     samples: int = 16
 
 
+#: Seconds between two engines' timed blocks (see ``run_case``).
+IDLE_GAP_S = 0.2
+
 CASES = {
     "resnet50-b1": Case("resnet50", batch=1, samples=64),
     "resnet50-b8": Case("resnet50", batch=8, samples=8),  # 8 feeds of 8: 64 images
@@ -578,6 +581,9 @@ def run_case(label: str, case: Case, args: argparse.Namespace, work: Path) -> No
             print(f"[{label}] round {r + 1}/{args.rounds}", file=sys.stderr)
             for i in range(len(live)):
                 engine = live[(i + r) % len(live)]
+                # Runtimes spin-wait a while after a call: let the engine timed before this
+                # one go idle, or its threads share the cores with this one's block.
+                time.sleep(IDLE_GAP_S)
                 times, busy, stolen = workers[engine.name].ask("time", args.iters)
                 engine.times += times
                 others.append(busy)
