@@ -71,7 +71,8 @@ def main() -> None:
             started = time.perf_counter()
             agents = start_agents(stack, workdir, list(fingerprints))
             wait_registered(client, agents)
-            states = settle(stack, client, model_id, agents, precisions)
+            states = settle(stack, client, model_id, agents, precisions, timeout_s=150,
+                            strict=False)
             settled_s = time.perf_counter() - started
             cells = observe(stack, client, engines, fingerprints, agents, states,
                             reference(model, X))
@@ -83,7 +84,7 @@ def main() -> None:
     table = Table(title="variant x engine precision, one worker on this machine "
                         f"({here.cpu.model}, {here.cpu.cores} cores)")
     for column in ("variant", "precision", "artifact", "tier", "requirements on the variant",
-                   "refused", "queued", "inference"):
+                   "refused", "queued", "inference", "notes"):
         table.add_column(column, overflow="fold")
     served_unmet = 0
     for cell in cells:
@@ -95,7 +96,8 @@ def main() -> None:
         table.add_row(cell.variant, cell.precision, artifact, cell.tier,
                       "met" if not cell.unmet else "unmet: " + "; ".join(cell.unmet),
                       "yes" if cell.refused else "-", cell.queued,
-                      {None: "-", True: "matches", False: "WRONG"}[cell.inferred])
+                      {None: "-", True: "matches", False: "WRONG"}[cell.inferred],
+                      "; ".join(cell.notes))
     console.print(table)
     for precision, why in skipped.items():
         console.print(f"{precision}: not built on this CPU ({why})")

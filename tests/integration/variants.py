@@ -160,9 +160,10 @@ def desired_state(stack: EmbeddedStack, name: str) -> dict[str, dict]:
 
 def settle(stack: EmbeddedStack, client: KilnClient, model_id: str,
            agents: dict[str, AgentProcess], precisions: list[str],
-           timeout_s: float = 300) -> dict[str, dict[str, dict]]:
+           timeout_s: float = 300, strict: bool = True) -> dict[str, dict[str, dict]]:
     """Wait until no build this worker can take is in flight and every agent serves what the
-    control plane chose for it; the desired states, by variant and deployment."""
+    control plane chose for it; the desired states, by variant and deployment. Not
+    ``strict``: the states at the deadline (the agents' failures then show in the cells)."""
     deadline = time.monotonic() + timeout_s
     while True:
         busy = [j for j in client.list_jobs(model_id=model_id)
@@ -180,6 +181,8 @@ def settle(stack: EmbeddedStack, client: KilnClient, model_id: str,
         if not busy and not lagging:
             return states
         if time.monotonic() > deadline:
+            if not strict and not busy:
+                return states
             raise AssertionError(f"the matrix did not settle within {timeout_s}s: jobs in "
                                  f"flight {[(j.fingerprint_key, j.status) for j in busy]}, "
                                  f"agents behind {lagging}")
@@ -239,6 +242,9 @@ def observe(stack: EmbeddedStack, client: KilnClient, engines: dict[str, str],
                 gate = ENGINES[precision].accuracy.threshold
                 cell.inferred = (bool(np.allclose(got, reference["y"], rtol=1e-4, atol=1e-5))
                                  if precision == "fp32" else _cosine(got, reference["y"]) >= gate)
+            if want.get("artifact_id") and want["artifact_id"] != artifact_id:
+                cell.notes.append(f"chosen {want['artifact_id'][:12]} ({want.get('tier')}), "
+                                  f"not served by the agent")
             cells.append(cell)
     return cells
 
