@@ -42,7 +42,7 @@ from compiler_worker.inputs import generated_inputs_source, input_ranges
 from compiler_worker.modelio import load_model, materialize_model, save_model, signature
 from compiler_worker.passes import default_pipeline
 from compiler_worker.passes.custom_op_shapes import fill_attribute_defaults
-from compiler_worker.tuner import tune
+from compiler_worker.tuner import PeerCustomOps, tune
 from compiler_worker.verify import random_inputs, reference_custom_ops, reference_runner
 from runtime_agent.executors import MANIFEST_FILENAME, CustomOpAdapter, blob_filename
 from runtime_agent.fingerprint import detect_cpu
@@ -64,7 +64,9 @@ from schemas.errors import (
     InvalidRequest,
     KilnError,
     ModelCheckFailed,
+    PluginError,
     UnknownOperator,
+    UnsupportedOperator,
 )
 from schemas.fingerprint import HardwareFingerprint
 from schemas.jobs import JobStage
@@ -293,6 +295,8 @@ class _Plugins:
     ops: set[str] = field(default_factory=set)
     #: The same plugins loaded for the reference's onnxruntime session.
     reference: list[LoadedPlugin] = field(default_factory=list)
+    #: A torch program's custom ops as torch names them (empty for an ONNX model).
+    program_ops: set[str] = field(default_factory=set)
 
 
 def _prepare_plugins(model_ops: set[str], plugins: Sequence[tuple[PluginRef, Path]],
@@ -381,6 +385,41 @@ def _prepare_plugins(model_ops: set[str], plugins: Sequence[tuple[PluginRef, Pat
     logger.info("custom ops %s from plugins %s", sorted(model_ops),
                 [f"{r.name} {r.version}" for r in result.refs])
     return result
+
+
+def _peer_custom_ops(used: _Plugins, peers: Sequence[Backend],
+                     workdir: Path) -> dict[str, PeerCustomOps]:
+    """Each peer's own adapter for the model's custom ops, from the same bundles loaded for
+    the peer's target and ABI (an OpenVINO peer: their extensions; onnxruntime: their
+    kernels), so that its engines record and load their own implementations; or why the peer
+    cannot build them (no implementation for its target, another ABI, a torch program's ops
+    its front end cannot take): its candidates are then skipped with that reason."""
+    prepared: dict[str, PeerCustomOps] = {}
+    if not used.ops:
+        return prepared
+    for peer in peers:
+        target = (peer.executor.plugin_backend or peer.name, peer.device)
+        try:
+            if not peer.accepts_plugins:
+                raise NoImplementation(f"the {peer.name} backend builds no custom ops yet",
+                                       backend=peer.name, ops=sorted(used.ops))
+            if used.program_ops:
+                peer.check_program(used.program_ops)
+            loaded = [load_bundle(used.paths[p.digest], p.ref, workdir / PLUGINS_DIRNAME,
+                                  target=target, abi=peer.plugin_abi(),
+                                  ops=sorted(set(p.ops()) & used.ops))
+                      for p in used.loaded]
+            adapter = peer.custom_op_adapter(loaded, used.ops)
+        except (PluginError, UnsupportedOperator) as exc:
+            why = (f"the model's custom ops {sorted(used.ops)} cannot be built by the "
+                   f"{peer.name} backend: {exc.message}")
+            logger.info("%s candidates are skipped: %s", peer.name, why)
+            prepared[peer.name] = PeerCustomOps(skip=why)
+            continue
+        prepared[peer.name] = PeerCustomOps(adapter, loaded)
+        logger.info("custom ops %s for %s from plugins %s", sorted(used.ops), peer.name,
+                    [p.label for p in loaded])
+    return prepared
 
 
 def compile_model(
@@ -590,6 +629,7 @@ def _compile_program(
     program_ops = set(inspect_export_archive(submitted_path).custom_ops)
     backend.check_program(program_ops)
     used = _prepare_plugins(program_ops, plugins, backend, {}, workdir, rename=torch_op_name)
+    used.program_ops = set(program_ops)
     if used.adapter is not None:
         used.adapter.apply(None)
     loaded = load_program(submitted_path)
@@ -727,8 +767,7 @@ def _tune_and_finish(
         reference=reference.name, inputs=source, calibration=calibration_feeds,
         calibration_note=calibration_note, custom_ops=used.adapter, plugins=used.loaded,
         reuse=reuse, on_stage=stages.enter, peers=plan.peers, model_for=model_for,
-        peers_skip=(f"the model's custom ops {sorted(used.ops)} are built by the "
-                    f"{plan.backend.name} backend only" if used.ops else ""),
+        peer_custom_ops=_peer_custom_ops(used, plan.peers, workdir),
         benchmark_lock=benchmark_lock,
     )
     stages.enter(JobStage.BENCHMARKING)

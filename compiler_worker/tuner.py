@@ -114,6 +114,31 @@ class TuningOutcome:
     executor: Executor
 
 
+@dataclass(frozen=True)
+class PeerCustomOps:
+    """How a peer backend builds and loads the model's custom ops: its own adapter, made from
+    the plugins loaded for its target and ABI, or why it cannot (``skip``: its candidates are
+    left out with that reason)."""
+
+    adapter: CustomOpAdapter | None = None
+    plugins: Sequence[LoadedPlugin] = ()
+    skip: str = ""
+
+
+def _custom_ops_of(peer: Backend, custom_ops: CustomOpAdapter | None,
+                   prepared: Mapping[str, PeerCustomOps]) -> PeerCustomOps:
+    """What ``peer`` registers for the model's custom ops (``custom_ops``: the plan backend's
+    adapter, given when the model has any). A peer nobody prepared an adapter for is skipped:
+    it is never built without the model's ops."""
+    if custom_ops is None:
+        return PeerCustomOps()
+    found = prepared.get(peer.name)
+    if found is None or (found.adapter is None and not found.skip):
+        return PeerCustomOps(skip=f"the model has custom ops, and no implementation of them "
+                                  f"was prepared for the {peer.name} backend")
+    return found
+
+
 def accuracy(gate: AccuracyGate, got: Sequence[Mapping[str, np.ndarray]],
              expected: Sequence[Mapping[str, np.ndarray]]) -> float:
     """The gate's figure for the engine's outputs ``got`` against the reference's, over every
@@ -513,7 +538,7 @@ def tune(
     on_stage: Callable[[JobStage], None] | None = None,
     peers: Sequence[Backend] = (),
     model_for: Callable[[Backend], Path] | None = None,
-    peers_skip: str = "",
+    peer_custom_ops: Mapping[str, PeerCustomOps] | None = None,
     benchmark_lock: Path | None = None,
 ) -> TuningOutcome:
     """Build, verify and benchmark the candidates of ``backend`` and of its ``peers`` (other
@@ -523,8 +548,10 @@ def tune(
     ``manifest_for(built, candidate, backend)`` makes the unsigned manifest a candidate's
     artifact would carry. ``model_for(backend)``: the model file a peer builds from (default
     ``model_path``; a torch program is converted once per backend); a conversion that fails
-    fails that backend's candidates with its reason. ``peers_skip``: why the peers' candidates
-    are not built (e.g. the model has custom ops, which only ``backend`` builds).
+    fails that backend's candidates with its reason. ``custom_ops`` and ``plugins`` are what
+    ``backend`` registers and loads for the model's custom ops; ``peer_custom_ops``, per peer's
+    name, what that peer registers and loads (its own adapter, e.g. the bundle's OpenVINO
+    extension), or why it cannot: then its candidates are skipped with that reason.
     ``benchmark_lock``: the host-wide lock file timing waits for (default: the host's).
     Raises ``VerificationFailed``, ``AccuracyGateFailed`` or ``NoViableCandidate`` (each with
     the table) when no candidate passes. ``on_stage`` hears BUILDING, VERIFYING and
@@ -559,8 +586,10 @@ def tune(
         if candidate.skip:
             result.outcome, result.reason = CandidateOutcome.SKIPPED, candidate.skip
             continue
-        if owner is not backend and peers_skip:
-            result.outcome, result.reason = CandidateOutcome.SKIPPED, peers_skip
+        own_ops = (PeerCustomOps(custom_ops, plugins) if owner is backend else
+                   _custom_ops_of(owner, custom_ops, peer_custom_ops or {}))
+        if own_ops.skip:
+            result.outcome, result.reason = CandidateOutcome.SKIPPED, own_ops.skip
             continue
         if candidate.needs_calibration and not calibration:
             result.outcome = CandidateOutcome.SKIPPED
@@ -606,10 +635,10 @@ def tune(
                 raise source
             trial.built = owner.build(
                 source, options, root / "build", fingerprint=fingerprint,
-                candidate=candidate, custom_ops=custom_ops if owner is backend else None,
+                candidate=candidate, custom_ops=own_ops.adapter,
                 calibration=calibration if candidate.needs_calibration else ())
             result.build_s = time.perf_counter() - t0
-            _load(trial, root, manifest_for, plugins if owner is backend else ())
+            _load(trial, root, manifest_for, own_ops.plugins)
         except Exception as exc:  # any failure is this candidate's, recorded with its reason
             result.build_s = time.perf_counter() - t0
             result.outcome = CandidateOutcome.FAILED_BUILD

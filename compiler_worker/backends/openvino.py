@@ -47,9 +47,13 @@ build like every plugin (digests, ABI tag ``ov-<N>``), added to the ``Core`` bef
 model is converted (``runtime_agent.plugins.openvino.CoreExtensions``), and recorded in
 ``runtime_config["custom_ops"]``; the executor adds the same library before ``import_model``.
 The engine is verified against the onnxruntime reference run with the bundle's onnxruntime
-kernels. A bundle without an OpenVINO extension for an op is refused with ``NoImplementation``
-naming the op and the targets it has (a tuning run of several backends leaves these candidates
-out with that reason). ``torch.export`` programs with custom ops are refused
+kernels. The same holds when OpenVINO races as a peer in another backend's tuning run (an
+onnxruntime job naming both): the pipeline loads the bundles again for ``openvino/cpu`` and
+this runtime's ABI and hands this backend its own ``CoreExtensions``, so its candidates build
+with the extension and an OpenVINO winner's manifest makes the agent load it. A bundle without
+an OpenVINO extension for an op is refused with ``NoImplementation`` naming the op and the
+targets it has (as a peer, these candidates are skipped with that reason, and one built for
+another ``ov-<N>`` with ``AbiMismatch``'s). ``torch.export`` programs with custom ops are refused
 (``check_program``): the PyTorch front end would need rules of its own.
 """
 

@@ -1,7 +1,8 @@
 """Custom ops on OpenVINO: a real extension library (``tests/plugins/openvino/swish_ov.cpp``,
 ``kiln.examples::Swish``) built against the openvino wheel, shipped in the swish bundle beside
 its onnxruntime kernel; compiled, verified against the onnxruntime reference, run by the
-executor; and the refusals (no extension, another ABI, a library whose digest changed)."""
+executor; OpenVINO competing beside onnxruntime in one tuning run with the same bundle; and the
+refusals (no extension, another ABI, a library whose digest changed)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from compiler_worker.pipeline import compile_model, write_artifact_dir
+from runtime_agent.executors import load_executor, load_plugins
 from runtime_agent.executors.openvino import OpenVinoExecutor, abi_number
 from runtime_agent.fingerprint import detect_fingerprint
 from runtime_agent.plugins import AbiMismatch, NoImplementation
@@ -24,6 +26,7 @@ from runtime_agent.plugins.abi import check_abi, platform_tag
 from schemas.errors import IntegrityError, NoViableCandidate, SchemaUnsupported
 from schemas.options import CompileOptions
 from schemas.plugins import PluginManifest, parse_plugin_manifest
+from schemas.tuning import CandidateOutcome
 from tests.plugins.helpers import ExampleBundles, pack
 
 ov = pytest.importorskip("openvino")
@@ -33,6 +36,9 @@ LIBRARY = "lib/libkiln_swish_ov.so"
 OP = "kiln.examples::Swish"
 OPTIONS = CompileOptions(backends=["openvino"], tune="off", verify_samples=2,
                          benchmark_iterations=3)
+#: onnxruntime's job, OpenVINO's candidates racing beside its own.
+PEERS = CompileOptions(backends=["onnxruntime", "openvino"], verify_samples=2,
+                       benchmark_iterations=3)
 
 
 def _wheel() -> Path:
@@ -197,3 +203,94 @@ def test_an_extension_whose_digest_differs_is_refused(
     os.replace(swapped, archive)
     with pytest.raises(IntegrityError):
         load(out, plugin_dir=tmp_path / "plugins")
+
+
+def _swish(x: np.ndarray) -> np.ndarray:
+    return np.maximum(x / (1 + np.exp(-1.5 * x)), 0)
+
+
+def _runs_with_its_plugins(result, out: Path) -> None:
+    """Write the artifact, load the plugins its manifest names for its executor, as an agent
+    does, and run the engine."""
+    out = write_artifact_dir(result, out)
+    manifest = result.manifest
+    plugins = load_plugins(manifest, {ref.digest: out / "plugins" / f"{ref.digest}.tar"
+                                      for ref in manifest.plugins}, out.parent / "extracted")
+    executor = load_executor(out, manifest, plugins)
+    x = np.linspace(-3, 3, 24, dtype=np.float32).reshape(3, 8)
+    np.testing.assert_allclose(executor.run({"x": x})["y"], _swish(x), atol=1e-5)
+
+
+def _custom_ops_entry(backend: str, bundle) -> dict[str, str]:
+    """What an engine of ``backend`` records for the swish op of ``bundle``."""
+    if backend == "openvino":
+        return {"op": OP, "kind": "native", "entry": LIBRARY, "plugin": bundle.ref.digest,
+                "abi": OpenVinoExecutor.plugin_abi()}
+    return {"op": OP, "kind": "python", "entry": "swish:swish_cpu", "plugin": bundle.ref.digest}
+
+
+def test_openvino_competes_beside_onnxruntime_when_the_bundle_has_its_extension(
+        example_bundles: ExampleBundles, extension: Path, tmp_path: Path) -> None:
+    bundle = _bundle(example_bundles, extension, tmp_path)
+    model = swish_model().SerializeToString()
+    result = compile_model(model, PEERS, fingerprint=detect_fingerprint(),
+                           workdir=tmp_path / "work", plugins=[bundle.plugin])
+    table = result.manifest.tuning
+    assert table is not None
+    for backend in ("onnxruntime", "openvino"):
+        rows = [c for c in table.candidates if c.backend == backend]
+        assert rows, f"no {backend} candidates in {table.candidates}"
+        # Built and verified, each backend with its own implementation of the op.
+        assert all(c.outcome in (CandidateOutcome.WON, CandidateOutcome.SLOWER)
+                   and c.max_abs_error is not None for c in rows), \
+            [(c.name, c.outcome.value, c.reason) for c in rows]
+    manifest = result.manifest
+    assert manifest.plugins == [bundle.ref]
+    assert manifest.runtime_config["custom_ops"] == [_custom_ops_entry(manifest.backend, bundle)]
+    _runs_with_its_plugins(result, tmp_path / "winner" / "artifact")
+
+    # The other backend's engine, built alone from the same record: it records and loads its
+    # own implementation too (OpenVINO: the extension; onnxruntime: the Python kernel).
+    other = next(c for c in table.candidates
+                 if c.backend != manifest.backend and c.outcome is CandidateOutcome.SLOWER)
+    again = compile_model(model, PEERS, fingerprint=detect_fingerprint(),
+                          workdir=tmp_path / "work-other", plugins=[bundle.plugin],
+                          reuse=table.model_copy(update={"winner": other.name}))
+    assert again.manifest.backend == other.backend
+    assert again.manifest.runtime_config["custom_ops"] == [
+        _custom_ops_entry(other.backend, bundle)]
+    _runs_with_its_plugins(again, tmp_path / "other" / "artifact")
+
+
+def test_without_an_extension_openvino_candidates_are_skipped_naming_the_op(
+        example_bundles: ExampleBundles, tmp_path: Path) -> None:
+    result = compile_model(swish_model().SerializeToString(), PEERS,
+                           fingerprint=detect_fingerprint(), workdir=tmp_path / "work",
+                           plugins=[example_bundles.swish.plugin])
+    table = result.manifest.tuning
+    assert table is not None
+    rows = [c for c in table.candidates if c.backend == "openvino"]
+    assert rows
+    for row in rows:
+        assert row.outcome is CandidateOutcome.SKIPPED, (row.name, row.outcome, row.reason)
+        # The op, and the targets the bundle does have.
+        assert OP in row.reason and "onnxruntime/cpu" in row.reason, row.reason
+        assert "'openvino' on device 'cpu'" in row.reason, row.reason
+    assert result.manifest.backend == "onnxruntime"
+    _runs_with_its_plugins(result, tmp_path / "winner" / "artifact")
+
+
+def test_an_extension_for_another_openvino_release_leaves_the_peer_out(
+        example_bundles: ExampleBundles, extension: Path, tmp_path: Path) -> None:
+    number = abi_number(OpenVinoExecutor.probe_version())
+    bundle = _bundle(example_bundles, extension, tmp_path,
+                     abi=f"{platform_tag()}/ov-{(number or 0) - 1}")
+    result = compile_model(swish_model().SerializeToString(), PEERS,
+                           fingerprint=detect_fingerprint(), workdir=tmp_path / "work",
+                           plugins=[bundle.plugin])
+    table = result.manifest.tuning
+    assert table is not None
+    rows = [c for c in table.candidates if c.backend == "openvino"]
+    assert rows and all(c.outcome is CandidateOutcome.SKIPPED and f"ov-{number}" in c.reason
+                        for c in rows), [(c.name, c.outcome.value, c.reason) for c in rows]
+    assert result.manifest.backend == "onnxruntime"
