@@ -99,8 +99,9 @@ def expected(variant: str, precision: str) -> tuple[str, bool, str]:
         # Thread policies raced in the fp32 tuning only: the core class decided that winner.
         return ("compatible", False, "retune") if precision == "fp32" else ("exact", False, "-")
     if variant == "no-vnni" and precision == "int8":
-        # Quantized without reduce_range: saturates without VNNI; its own tuning is queued.
-        return "none", True, "retune"
+        # Quantized without reduce_range: saturates without VNNI. Refused, its own tuning
+        # queued, and meanwhile the model's portable fp32 engine serves it.
+        return "fallback", True, "retune"
     if variant == "no-amx-bf16" and precision == "int8" and "amx_int8" in features:
         return "compatible", False, "retune"  # AMX-INT8 was one of the features it raced on
     return "exact", False, "-"
