@@ -56,6 +56,7 @@ from compiler_worker.benchmark import CpuSampler, host_lock, sample_host
 from compiler_worker.verify import verification_result
 from runtime_agent.executors import Executor, blob_filename, load_executor
 from runtime_agent.executors.base import CustomOpAdapter
+from runtime_agent.golden import gate_figure as accuracy
 from runtime_agent.plugins import LoadedPlugin
 from schemas.errors import (
     AccuracyGateFailed,
@@ -66,7 +67,7 @@ from schemas.errors import (
 from schemas.fingerprint import HardwareFingerprint
 from schemas.jobs import JobStage
 from schemas.manifest import ArtifactManifest, BenchmarkResult, BlobRef, VerificationResult
-from schemas.options import AccuracyGate, AccuracyMetric, CompileOptions, Tune
+from schemas.options import AccuracyMetric, CompileOptions, Tune
 from schemas.tuning import (
     CandidateOutcome,
     CandidateResult,
@@ -137,44 +138,6 @@ def _custom_ops_of(peer: Backend, custom_ops: CustomOpAdapter | None,
         return PeerCustomOps(skip=f"the model has custom ops, and no implementation of them "
                                   f"was prepared for the {peer.name} backend")
     return found
-
-
-def accuracy(gate: AccuracyGate, got: Sequence[Mapping[str, np.ndarray]],
-             expected: Sequence[Mapping[str, np.ndarray]]) -> float:
-    """The gate's figure for the engine's outputs ``got`` against the reference's, over every
-    feed: the worst cosine similarity of any output on any one feed, the share of rows whose
-    arg-max over the last axis of the first output agrees, or the largest absolute difference.
-    The cosine is taken per feed: over all feeds at once, samples with large outputs would
-    outweigh the ones an engine gets wrong, and a user's request is one feed."""
-    names = list(expected[0])
-    if gate.metric is AccuracyMetric.TOP1_AGREEMENT:
-        name = names[0]
-        agree = total = 0
-        for g, e in zip(got, expected, strict=True):
-            ge, ee = np.asarray(g[name]), np.asarray(e[name])
-            if ge.shape != ee.shape or ee.ndim == 0:
-                return 0.0
-            a, b = ge.reshape(-1, ee.shape[-1]).argmax(-1), ee.reshape(-1, ee.shape[-1]).argmax(-1)
-            agree += int(np.count_nonzero(a == b))
-            total += a.size
-        return agree / total if total else 0.0
-    worst = 1.0 if gate.metric is AccuracyMetric.COSINE else 0.0
-    if len(got) != len(expected):
-        return 0.0 if gate.metric is AccuracyMetric.COSINE else float("inf")
-    for name in names:
-        for got_one, expected_one in zip(got, expected, strict=True):
-            g = np.asarray(got_one[name], np.float64).ravel()
-            e = np.asarray(expected_one[name], np.float64).ravel()
-            if g.shape != e.shape:
-                return 0.0 if gate.metric is AccuracyMetric.COSINE else float("inf")
-            if gate.metric is AccuracyMetric.MAX_ABS:
-                worst = max(worst, float(np.max(np.abs(g - e))) if g.size else 0.0)
-                continue
-            norm = float(np.linalg.norm(g) * np.linalg.norm(e))
-            cosine = 1.0 if norm == 0 and not g.any() and not e.any() else (
-                float(np.dot(g, e) / norm) if norm else 0.0)
-            worst = min(worst, cosine if np.isfinite(cosine) else 0.0)
-    return worst
 
 
 def _budget_left(started: float, budget_s: float) -> float:

@@ -3,9 +3,12 @@
 
 The build worker writes them (``compiler_worker.golden``): the verification samples and the
 reference outputs the engine was verified against on the build host. On the device the same
-rule applies as at build time: every element within ``atol + rtol * |expected|``. A failing
-check names the output, its worst element (flat index) and that element's errors; the engine
-is then never served.
+rule applies as at build time: every element within ``atol + rtol * |expected|`` for an fp32
+engine, and for a reduced-precision one (int8, bf16) the accuracy gate it was chosen under
+(``options.accuracy``: cosine, top-1 agreement or max abs error against those same fp32
+outputs), since no element-wise tolerance holds for quantized outputs. A failing check names
+the output, its worst element (flat index) and that element's errors, or the gate's figure;
+the engine is then never served.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 from runtime_agent.errors import HealthCheckFailed
 from schemas.errors import ErrorCode
 from schemas.manifest import ArtifactManifest
+from schemas.options import AccuracyGate, AccuracyMetric
 
 GOLDEN_BLOB = "golden.npz"
 _SEP = ":"
@@ -103,25 +107,80 @@ def compare(got: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray], *
     return passed, worst, worst_index, max_abs, max_rel
 
 
+def gate_figure(gate: AccuracyGate, got: Sequence[Mapping[str, np.ndarray]],
+             expected: Sequence[Mapping[str, np.ndarray]]) -> float:
+    """The gate's figure for the engine's outputs ``got`` against the reference's, over every
+    feed: the worst cosine similarity of any output on any one feed, the share of rows whose
+    arg-max over the last axis of the first output agrees, or the largest absolute difference.
+    The cosine is taken per feed: over all feeds at once, samples with large outputs would
+    outweigh the ones an engine gets wrong, and a user's request is one feed."""
+    names = list(expected[0])
+    if gate.metric is AccuracyMetric.TOP1_AGREEMENT:
+        name = names[0]
+        agree = total = 0
+        for g, e in zip(got, expected, strict=True):
+            ge, ee = np.asarray(g[name]), np.asarray(e[name])
+            if ge.shape != ee.shape or ee.ndim == 0:
+                return 0.0
+            a, b = ge.reshape(-1, ee.shape[-1]).argmax(-1), ee.reshape(-1, ee.shape[-1]).argmax(-1)
+            agree += int(np.count_nonzero(a == b))
+            total += a.size
+        return agree / total if total else 0.0
+    worst = 1.0 if gate.metric is AccuracyMetric.COSINE else 0.0
+    if len(got) != len(expected):
+        return 0.0 if gate.metric is AccuracyMetric.COSINE else float("inf")
+    for name in names:
+        for got_one, expected_one in zip(got, expected, strict=True):
+            g = np.asarray(got_one[name], np.float64).ravel()
+            e = np.asarray(expected_one[name], np.float64).ravel()
+            if g.shape != e.shape:
+                return 0.0 if gate.metric is AccuracyMetric.COSINE else float("inf")
+            if gate.metric is AccuracyMetric.MAX_ABS:
+                worst = max(worst, float(np.max(np.abs(g - e))) if g.size else 0.0)
+                continue
+            norm = float(np.linalg.norm(g) * np.linalg.norm(e))
+            cosine = 1.0 if norm == 0 and not g.any() and not e.any() else (
+                float(np.dot(g, e) / norm) if norm else 0.0)
+            worst = min(worst, cosine if np.isfinite(cosine) else 0.0)
+    return worst
+
+
 def check_golden(executor, path: Path) -> GoldenResult:
     """Run ``executor`` on every golden sample; ``GoldenCheckFailed`` (with the worst element)
-    when an output is off by more than the manifest's verification tolerance."""
+    when an output is off by more than the manifest's verification tolerance, or, for a
+    reduced-precision engine, when its outputs miss the accuracy gate it was chosen under."""
     manifest: ArtifactManifest = executor.manifest
     atol, rtol = manifest.verification.atol, manifest.verification.rtol
     samples = read_golden(path)
     times: list[float] = []
+    got: list[Mapping[str, np.ndarray]] = []
     worst = (True, None, None, 0.0, 0.0)
     for sample in samples:
         started = time.perf_counter()
         outputs = executor.run(sample.inputs)
         times.append((time.perf_counter() - started) * 1000)
+        got.append(outputs)
         verdict = compare(outputs, sample.outputs, atol=atol, rtol=rtol)
         if not verdict[0] or verdict[3] > worst[3]:
             worst = verdict if worst[0] else worst
     passed, output, index, max_abs, max_rel = worst
+    p50_ms = float(np.median(times)) if times else 0.0
+    if manifest.precision != "fp32" and samples:
+        gate = manifest.options.accuracy
+        figure = gate_figure(gate, got, [s.outputs for s in samples])
+        if not gate.passes(figure):
+            bound = "<=" if gate.metric is AccuracyMetric.MAX_ABS else ">="
+            raise GoldenCheckFailed(
+                f"artifact {manifest.artifact_id} ({manifest.precision}) failed its golden "
+                f"check: {gate.metric.value} {figure:.4g} on its {len(samples)} samples misses "
+                f"the accuracy gate it was chosen under ({bound} {gate.threshold:g})",
+                artifact_id=manifest.artifact_id, output=output, worst_index=index,
+                max_abs_error=max_abs, max_rel_error=max_rel, p50_ms=p50_ms,
+                accuracy_metric=gate.metric.value, accuracy=figure)
+        passed = True  # element-wise errors are expected of reduced precision; the gate holds
     result = GoldenResult(passed=passed, samples=len(samples), worst_output=output,
                           worst_index=index, max_abs_error=max_abs, max_rel_error=max_rel,
-                          p50_ms=float(np.median(times)) if times else 0.0)
+                          p50_ms=p50_ms)
     if not passed:
         raise GoldenCheckFailed(
             f"artifact {manifest.artifact_id} failed its golden check: output {output!r} "

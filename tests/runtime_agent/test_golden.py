@@ -129,3 +129,36 @@ def test_the_agent_never_serves_an_engine_failing_its_golden_check_and_reports_i
         (gate,) = [g for g in report.gates if g.name == "golden"]
         assert not gate.passed and gate.worst_index == 5
         assert gate.max_abs_error == pytest.approx(0.5, abs=1e-3)
+
+
+def test_a_reduced_precision_engine_is_judged_by_its_accuracy_gate(tmp_path: Path) -> None:
+    # A real int8 engine (onnxruntime's dynamic quantization runs on any x86 or Arm CPU): its
+    # outputs differ from the fp32 golden outputs element by element beyond any fp32
+    # tolerance, yet it passes the gate it was chosen under; a stricter gate refuses it.
+    from compiler_worker.pipeline import compile_model
+    from kiln.examples import mlp
+    from runtime_agent.fingerprint import detect_fingerprint
+    from schemas.options import AccuracyGate, AccuracyMetric, CompileOptions
+
+    gate = AccuracyGate(metric=AccuracyMetric.COSINE, threshold=0.99)
+    result = compile_model(
+        mlp(seed=3).SerializeToString(),
+        CompileOptions(precision="int8", tune="off", backends=["onnxruntime"], accuracy=gate,
+                       verify_samples=4),
+        fingerprint=detect_fingerprint(), workdir=tmp_path / "build")
+    manifest = result.manifest
+    assert manifest.precision != "fp32"
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    for ref in manifest.blobs:
+        shutil.copy(result.blob_paths[ref.name], artifact / blob_filename(ref))
+    path = artifact / blob_filename(next(b for b in manifest.blobs if b.name == GOLDEN_BLOB))
+    executor = load_executor(artifact, manifest)
+    passed = check_golden(executor, path)
+    assert passed.passed and passed.max_abs_error > manifest.verification.atol
+    strict = manifest.model_copy(update={"options": manifest.options.model_copy(
+        update={"accuracy": AccuracyGate(metric=AccuracyMetric.COSINE, threshold=0.9999999)})})
+    with pytest.raises(GoldenCheckFailed) as refused:
+        check_golden(load_executor(artifact, strict), path)
+    assert "misses the accuracy gate" in refused.value.message
+    assert refused.value.details["accuracy_metric"] == "cosine"
