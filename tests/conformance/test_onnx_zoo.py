@@ -24,7 +24,8 @@ SUITES = {
 MIN_PASSED = {"light": 9, "pytorch-converted": 82, "pytorch-operator": 35, "node": 380}
 #: The light zoo again, built by OpenVINO alone (fp32, verified by the same rules). Light
 #: models only: a compile of each zoo model per backend would take the suite's time twice.
-OPENVINO_MIN_PASSED = 9
+#: (SqueezeNet is skipped where OpenVINO's own f32 outputs differ from the test data.)
+OPENVINO_MIN_PASSED = 8
 
 
 @pytest.mark.parametrize("suite", list(SUITES))
@@ -53,7 +54,8 @@ def _judge(label: str, outcomes: list, minimum: int) -> None:
 
 def test_onnx_light_zoo_on_openvino(tmp_path: Path) -> None:
     """OpenVINO's engines of the light zoo (built with ``INFERENCE_PRECISION_HINT: f32`` and
-    imported with it again) reproduce the shipped outputs at the light zoo's tolerance."""
+    imported with it again) reproduce the shipped outputs at the light zoo's tolerance, or are
+    refused where plain OpenVINO's own f32 outputs do not (then skipped, with that reason)."""
     pytest.importorskip("openvino")
     import onnxruntime
 
