@@ -25,7 +25,6 @@ from runtime_agent.executors.openvino import has_bf16
 from runtime_agent.fingerprint import declare_variant, detect_fingerprint
 from schemas import JobStatus
 from schemas.fingerprint import (
-    CONTEXT_MARK,
     CpuInfo,
     HardwareFingerprint,
     core_class,
@@ -33,6 +32,9 @@ from schemas.fingerprint import (
 )
 from schemas.options import CompileOptions, Precision, Tune
 from tests.integration.agents import AgentProcess, outputs
+
+#: What a retune's key carries after the node's own key (the planner's context suffix).
+CONTEXT_MARK = "-t-"
 
 
 def variants(here: HardwareFingerprint) -> list[str]:
