@@ -25,15 +25,18 @@ lead held round after round is real even where each engine's own spread is wide)
 quietest measurement decides: the fastest wins when it is separable from the default,
 otherwise the default is kept; on a host that stayed busy, no candidate with another thread
 policy than the default's wins (contention favours fewer threads; the node that runs the
-engine is not contended so). The figures and the verdict land in ``TuningTable.noise``, every
-candidate in the table with its figures and why it lost.
+engine is not contended so), and one of another runtime wins only by ``BUSY_MIN_LEAD``
+(contention shifts runtimes' thread pools against each other). The figures and the verdict
+land in ``TuningTable.noise``, every candidate in the table with its figures and why it lost.
 
 ``options.tuning_budget_s`` bounds the wall-clock time of the search: the first candidate is
 always built; after it, the builds keep back what measuring the candidates that passed will
 take (their calls' cost while verified, times the screening and timed calls), and a candidate
 is not started when that leaves less than its backend's longest build so far; those are
-recorded as ``over_budget`` with the reason. Benchmark iterations shrink to fit what is left
-(never below ``MIN_ITERATIONS`` per candidate).
+recorded as ``over_budget`` with the reason. A build that runs in rounds (NNCF's accuracy
+restorer) is given what is left as its deadline (``backends.base.build_deadline``) and stops
+there, ``over_budget`` too: its length cannot be told from the builds before it. Benchmark
+iterations shrink to fit what is left (never below ``MIN_ITERATIONS`` per candidate).
 
 A tuning record from an earlier build of the same (model, options, fingerprint key,
 toolchain) makes the tuner build only that record's winner, still verified and benchmarked.
@@ -51,7 +54,13 @@ from pathlib import Path
 
 import numpy as np
 
-from compiler_worker.backends.base import Backend, BuiltEngine, Candidate
+from compiler_worker.backends.base import (
+    Backend,
+    BuildDeadline,
+    BuiltEngine,
+    Candidate,
+    build_deadline,
+)
 from compiler_worker.benchmark import CpuSampler, host_lock, sample_host
 from compiler_worker.verify import verification_result
 from runtime_agent.executors import Executor, blob_filename, load_executor
@@ -227,6 +236,24 @@ def _thread_policy(trial: Trial) -> str:
     return str(config.get("thread_policy", ThreadPolicy.DEFAULT.value))
 
 
+#: On a host that stayed busy, how far a finalist of another runtime, at its own default
+#: threads, must lead the default to win. Each runtime's thread pool meets contention its own
+#: way (onnxruntime's workers spin, OpenVINO's yield), which shifts their speeds against each
+#: other by more than the quiet difference between two fp32 engines; a reduced-precision
+#: engine's lead is larger than that shift. ``bench/tuning_under_load.py`` shows both.
+BUSY_MIN_LEAD = 1.5
+
+
+def _eligible_when_busy(trial: Trial, default: Trial, measurement: _Measurement) -> bool:
+    """Whether ``trial`` may beat ``default`` when the host stayed busy: the same runtime at
+    the same thread policy, or another runtime at its default threads leading by
+    ``BUSY_MIN_LEAD``. Another thread count never may: contention favours fewer threads."""
+    if trial.backend is default.backend:
+        return _thread_policy(trial) == _thread_policy(default)
+    return (_thread_policy(trial) == ThreadPolicy.DEFAULT.value
+            and measurement.p50(default) >= BUSY_MIN_LEAD * measurement.p50(trial))
+
+
 def _screen(trials: list[Trial], feed: Feed, protected: Trial | None = None) -> list[Trial]:
     """Warm every trial up (one untimed call), then time ``SCREEN_CALLS`` calls of each,
     interleaved; return those worth measuring. A trial is pruned only when its fastest warm
@@ -390,7 +417,7 @@ def _benchmark(trials: list[Trial], feed: Feed, options: CompileOptions, started
     used = min(measurements, key=lambda m: (not m.quiet, m.busy + m.steal))
     by_speed = sorted(finalists, key=used.p50)
     eligible = by_speed if used.quiet else [
-        t for t in by_speed if _thread_policy(t) == _thread_policy(default)]
+        t for t in by_speed if t is default or _eligible_when_busy(t, default, used)]
     fastest = eligible[0] if eligible else default
     host = (f"host busy {used.busy:.2f} / steal {used.steal:.2f} (thresholds "
             f"{BUSY_THRESHOLD:g} / {STEAL_THRESHOLD:g})")
@@ -412,7 +439,8 @@ def _benchmark(trials: list[Trial], feed: Feed, options: CompileOptions, started
                    f"({used.p50(default):.3f} ms); {host}")
     if not used.quiet:
         verdict += (f"; the host stayed busy through {len(measurements)} measurement(s), so "
-                    f"no finalist with another thread policy than the default's could win")
+                    f"no finalist with another thread policy than the default's could win, "
+                    f"nor one of another runtime leading by less than {BUSY_MIN_LEAD:g}x")
     runner_up = next((t for t in by_speed if t is not by_speed[0]), None)
     noise = NoiseReport(
         cpus=os.cpu_count() or 0, lock=str(held.path), lock_wait_s=held.waited_s,
@@ -565,6 +593,11 @@ def tune(
                              f"accuracy gate")
             continue
         built_any = any(t.executor is not None for t in trials)
+        # What this build may take: the budget left, less the measurement's reserve once a
+        # candidate passed. The first build is never bounded (without one engine there is
+        # nothing to serve); a build that comes in rounds stops at its deadline.
+        allowed = (max(0.0, _budget_left(started, options.tuning_budget_s))
+                   if any(t.result.build_s is not None for t in trials[:-1]) else None)
         if built_any:
             # The builds leave the measurement what it needs to time every candidate that
             # passed with its full iterations (a starved measurement cannot separate the
@@ -585,6 +618,7 @@ def tune(
                     f"the candidates that passed" + (f", and {owner.name}'s builds so far took "
                                                      f"up to {needs:.1f} s" if needs else ""))
                 continue
+            allowed = left
         root = workdir / f"candidate-{index}"
         t0 = time.perf_counter()
         try:
@@ -596,12 +630,22 @@ def tune(
             source = models[owner.name]
             if isinstance(source, KilnError):
                 raise source
-            trial.built = owner.build(
-                source, options, root / "build", fingerprint=fingerprint,
-                candidate=candidate, custom_ops=own_ops.adapter,
-                calibration=calibration if candidate.needs_calibration else ())
+            with build_deadline(allowed):
+                trial.built = owner.build(
+                    source, options, root / "build", fingerprint=fingerprint,
+                    candidate=candidate, custom_ops=own_ops.adapter,
+                    calibration=calibration if candidate.needs_calibration else ())
             result.build_s = time.perf_counter() - t0
             _load(trial, root, manifest_for, own_ops.plugins)
+        except BuildDeadline as exc:  # stopped by the budget, not broken
+            result.build_s = time.perf_counter() - t0
+            result.outcome = CandidateOutcome.OVER_BUDGET
+            result.reason = (f"{exc.message} after {result.build_s:.1f} s (the tuning budget of "
+                             f"{options.tuning_budget_s:g} s, less what measuring the "
+                             f"candidates that passed needs)")
+            logger.warning("candidate %s: %s", candidate.name, result.reason)
+            shutil.rmtree(root, ignore_errors=True)
+            continue
         except Exception as exc:  # any failure is this candidate's, recorded with its reason
             result.build_s = time.perf_counter() - t0
             result.outcome = CandidateOutcome.FAILED_BUILD

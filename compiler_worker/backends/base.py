@@ -7,8 +7,11 @@ same name in ``runtime_agent.executors`` that loads what it builds.
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -34,6 +37,34 @@ PIPELINE_VERSION = 1
 #: Model formats the compile pipeline hands to backends (``Backend.model_formats``): a worker
 #: serves the queues of the backends that take one of them.
 PIPELINE_MODEL_FORMATS = frozenset({"onnx", "torch-export"})
+
+
+#: When the build under way must end (``time.perf_counter``), where a caller bounds it.
+_deadline: ContextVar[float | None] = ContextVar("kiln_build_deadline", default=None)
+
+
+class BuildDeadline(CompileError):
+    """A build that checks its own progress (a search with rounds: NNCF's accuracy restorer)
+    stopped at the time it was given; the tuner records the candidate ``over_budget``."""
+
+
+@contextmanager
+def build_deadline(seconds: float | None) -> Iterator[None]:
+    """Bound the builds started inside to ``seconds`` from now (``None``: unbounded). A build
+    whose work comes in rounds checks ``check_deadline`` between them; one that runs a single
+    opaque step is bounded by the tuner's prediction instead."""
+    token = _deadline.set(None if seconds is None else time.perf_counter() + seconds)
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
+def check_deadline(what: str) -> None:
+    """Raise ``BuildDeadline`` when the build's deadline has passed."""
+    deadline = _deadline.get()
+    if deadline is not None and time.perf_counter() > deadline:
+        raise BuildDeadline(f"{what} stopped at the tuning budget's deadline")
 
 
 def toolchain_string(runtime: str, version: str) -> str:

@@ -68,7 +68,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from compiler_worker.backends.base import Backend, BuiltEngine, Candidate, toolchain_string
+from compiler_worker.backends.base import (
+    Backend,
+    BuildDeadline,
+    BuiltEngine,
+    Candidate,
+    check_deadline,
+    toolchain_string,
+)
 from runtime_agent.executors.base import CustomOpAdapter
 from runtime_agent.executors.openvino import (
     DEVICE,
@@ -439,7 +446,10 @@ def _quantize(ov: Any, core: Any, model: Any, method: str,
 
             def validate(compiled: Any, data: Any) -> tuple[float, list[float]]:
                 # The gate's figure over the items, and each item's own (NNCF ranks the
-                # quantizers it may revert by the per-item figures).
+                # quantizers it may revert by the per-item figures). The restorer validates
+                # once per quantizer group it ranks and once per round: the one place it
+                # comes back to us, so the place its run is held to the tuning budget.
+                check_deadline(f"NNCF's accuracy-aware quantization of {candidate}")
                 items = list(data)
                 got = [outputs(compiled, f) for f in items]
                 want = [expected[id(f)] if id(f) in expected else outputs(reference, f)
@@ -463,7 +473,11 @@ def _quantize(ov: Any, core: Any, model: Any, method: str,
                     max_num_iterations=iterations, ranking_subset_size=len(feeds),
                     # One worker: the sandboxed build has no cores to spare for more.
                     num_ranking_workers=1))
+    except BuildDeadline:
+        raise
     except Exception as exc:  # NNCF raises its own untyped errors
+        if isinstance(exc.__cause__ or exc.__context__, BuildDeadline):
+            raise (exc.__cause__ or exc.__context__) from exc
         raise CompileError(f"NNCF could not quantize {candidate} ({method}): "
                            f"{type(exc).__name__}: {exc}"[:2000], candidate=candidate) from exc
     logger.info("NNCF %s quantized %s in %.1f s on %d samples", method, candidate,

@@ -318,3 +318,45 @@ def test_builds_in_the_workers_sandbox(tmp_path: Path, here: HardwareFingerprint
     assert result.manifest.backend == "openvino"
     assert result.manifest.precision == "int8-ptq"
     assert result.manifest.runtime_config["quantization"]["method"] == "nncf.quantize"
+
+
+def test_accuracy_control_stops_at_the_tuning_budget(tmp_path: Path,
+                                                     here: HardwareFingerprint) -> None:
+    """NNCF's accuracy restorer runs round after round; its length cannot be predicted from
+    the builds before it, so it gets what is left of the budget as a deadline and stops there,
+    recorded over_budget (without the deadline it runs its rounds to the end)."""
+    from compiler_worker.backends.base import BuildDeadline, build_deadline
+
+    model = small_cnn(batch=1)
+    options = CompileOptions(
+        backends=["openvino"], precision=Precision.INT8, tuning_budget_s=0.5,
+        benchmark_iterations=5,
+        accuracy=AccuracyGate(metric=AccuracyMetric.MAX_ABS, threshold=1e-7))
+    with pytest.raises(AccuracyGateFailed) as failed:
+        compile_model(model.SerializeToString(), options, fingerprint=here, workdir=tmp_path,
+                      samples=samples_for(model, NNCF_MIN_CALIBRATION_SAMPLES))
+    rows = {r["name"]: r for r in failed.value.details["tuning"]["candidates"]}
+    # The first build is never bounded: PTQ ran to its end (and missed this gate).
+    assert rows["openvino/int8-ptq"]["outcome"] == CandidateOutcome.FAILED_ACCURACY.value
+    control = rows["openvino/int8-accuracy-control"]
+    assert control["outcome"] == CandidateOutcome.OVER_BUDGET.value, control["reason"]
+    assert "deadline" in control["reason"] and "0.5 s" in control["reason"]
+
+    # The backend itself: under a deadline already past, the restorer's first validation
+    # stops the build, typed; unbounded, the same build completes.
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path)
+    candidate = next(c for c in OV.candidates(here, options)
+                     if c.name.endswith("accuracy-control"))
+    calibration = [{k: v[i] for k, v in
+                    samples_for(model, NNCF_MIN_CALIBRATION_SAMPLES).items()}
+                   for i in range(NNCF_MIN_CALIBRATION_SAMPLES)]
+    lenient = options.model_copy(update={"accuracy": AccuracyGate(
+        metric=AccuracyMetric.COSINE, threshold=0.9)})
+    with build_deadline(0.0), pytest.raises(BuildDeadline):
+        OV.build(path, lenient, tmp_path / "b1", fingerprint=here, candidate=candidate,
+                 calibration=calibration)
+    built = OV.build(path, lenient, tmp_path / "b2", fingerprint=here, candidate=candidate,
+                     calibration=calibration)
+    assert built.runtime_config["quantization"]["method"] == \
+        "nncf.quantize_with_accuracy_control"
