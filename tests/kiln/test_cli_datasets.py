@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from kiln import cli
 from kiln.cli import app
+from kiln.cli.common import console
 from kiln.client import KilnClient
 from kiln.examples import small_cnn
 from schemas.errors import ErrorCode, KilnError
@@ -91,7 +91,7 @@ def test_sdk_push_dedupes_and_lists(live_api: LiveApi, tmp_path: Path) -> None:
 
 def test_cli_dataset_push_and_list(live_api: LiveApi, tmp_path: Path,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli.console, "width", 200)
+    monkeypatch.setattr(console, "width", 200)
     path = save(tmp_path / "s.npz", image=images(2, 1, 3, 32, 32))
     pushed = runner.invoke(app, ["dataset", "push", str(path)])
     assert pushed.exit_code == 0, pushed.output

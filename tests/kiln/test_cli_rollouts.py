@@ -21,10 +21,10 @@ runner = CliRunner(env={"COLUMNS": "250"})
 
 
 def test_rollout_commands(live_api: LiveApi, tmp_path: Path, monkeypatch) -> None:
-    from kiln import cli
+    from kiln.cli.common import console
 
     # The console is made at import, when COLUMNS may be unset (CI has no terminal: 80).
-    monkeypatch.setattr(cli.console, "width", 250)
+    monkeypatch.setattr(console, "width", 250)
     settings = make_settings(tmp_path / "api")
     headers = {"Authorization": f"Bearer {live_api.token}"}
     with live_api.client() as client:

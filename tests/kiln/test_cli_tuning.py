@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kiln import cli
 from kiln.cli import app
+from kiln.cli.common import console
 from kiln.examples import mlp
 from schemas.errors import ErrorCode, KilnError
 from services.config import KilnSettings
@@ -50,7 +50,7 @@ def test_sdk_tuning_by_artifact_and_by_model(live_api: LiveApi, tmp_path: Path) 
 def test_cli_prints_every_candidate_and_marks_the_winner(
     live_api: LiveApi, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli.console, "width", 220)
+    monkeypatch.setattr(console, "width", 220)
     _, artifact_id = seed(live_api, tmp_path)
     result = runner.invoke(app, ["tuning", artifact_id])
     assert result.exit_code == 0, result.output
