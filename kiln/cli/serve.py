@@ -19,7 +19,7 @@ from kiln.cli.common import (
 )
 
 
-def setup_logging(level: str = "INFO") -> None:
+def _setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -53,7 +53,7 @@ def api(
                 os.environ[name] = str(value)
         get_settings.cache_clear()
         settings = get_settings()
-    setup_logging(settings.log_level)
+    _setup_logging(settings.log_level)
     _start_up(settings, "api", production=settings.env != "dev")
     from services.preflight import preflight
 
@@ -101,7 +101,7 @@ def worker(
     from compiler_worker.config import get_worker_settings
 
     settings = get_worker_settings()
-    setup_logging(settings.log_level)
+    _setup_logging(settings.log_level)
     _start_up(settings, "worker", production=settings.env != "dev")
     settings.check_no_secrets(os.environ)
     from services.preflight import check_broker
@@ -180,7 +180,7 @@ def agent(
     if not settings.trusted_keys and not settings.root_keys and default_root.is_file():
         updates["root_keys"] = [default_root]
     settings = settings.model_copy(update=updates)
-    setup_logging(settings.log_level)
+    _setup_logging(settings.log_level)
     from kiln.settings import is_production
 
     _start_up(settings, "agent", production=is_production())
