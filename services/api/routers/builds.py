@@ -61,6 +61,7 @@ from starlette.concurrency import run_in_threadpool
 from artifact_store import ArtifactStore
 from schemas import BlobRef, CompileJob, JobStatus
 from schemas._canonical import canonical_json, sha256_hex
+from schemas._versioned import parse_version
 from schemas.builds import (
     BuildClaim,
     BuildCompletion,
@@ -85,7 +86,7 @@ from schemas.errors import (
     NotFound,
     UnknownOperator,
 )
-from schemas.manifest import ArtifactManifest
+from schemas.manifest import MANIFEST_SCHEMA_VERSION, ArtifactManifest
 from schemas.plugins import PluginInfo
 from schemas.workers import WorkerInfo
 from services.api.auth import Principal, Role, check_worker_key
@@ -246,6 +247,21 @@ def _check_belongs(job: CompileJob, manifest: ArtifactManifest) -> None:
             job_id=job.id, mismatched=sorted(wrong))
 
 
+def _check_version(manifest: ArtifactManifest) -> None:
+    """The manifest is of a version this control plane writes: its major, no newer minor. It
+    signs what it publishes: a manifest of another major, signed, would be refused by every
+    reader (``schema_unsupported`` at each fetch), and a newer minor would vouch for a format
+    it does not know."""
+    mine = parse_version(MANIFEST_SCHEMA_VERSION, what="this control plane's manifest")
+    theirs = parse_version(manifest.schema_version, what="the manifest")
+    if theirs[0] != mine[0] or theirs[1] > mine[1]:
+        raise InvalidRequest(
+            f"manifest.schema_version is {manifest.schema_version!r}; this control plane "
+            f"publishes manifests of version {mine[0]}.0 up to {MANIFEST_SCHEMA_VERSION} (a "
+            f"worker of another Kiln release built it: run one of this release)",
+            field="manifest.schema_version", supported=MANIFEST_SCHEMA_VERSION)
+
+
 def _rehash(store: ArtifactStore, manifest: ArtifactManifest) -> None:
     """Every blob the manifest names, read back from the store and hashed: its size and
     sha256 must be the manifest's."""
@@ -295,6 +311,7 @@ def complete_build(
     # The row stays locked until the commit: a cancel waits, then finds the job finished; a
     # job cancelled before is refused here (409) and nothing is signed.
     job = _claimed_job(session, principal, job_id, x_kiln_claim, settings.secret_key, lock=True)
+    _check_version(manifest)
     _check_belongs(job, manifest)
     _rehash(store, manifest)
     published = store.publish_manifest(manifest, signer.signer(), replace=completion.replace)
