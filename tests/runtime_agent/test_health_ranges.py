@@ -10,9 +10,9 @@ import onnx
 from onnx import TensorProto, helper
 
 from compiler_worker.pipeline import compile_model, write_artifact_dir
-from runtime_agent.agent import health_check
 from runtime_agent.executors import load_executor
 from runtime_agent.fingerprint import detect_fingerprint
+from runtime_agent.gates import health_check
 from schemas.options import CompileOptions
 
 
