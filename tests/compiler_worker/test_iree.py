@@ -137,9 +137,15 @@ def test_a_module_of_another_release_or_wanting_features_is_refused(
     other.runtime_config["iree_version"] = "2.9.0"
     with pytest.raises(FingerprintMismatch, match=r"compiled by IREE 2\.9"):
         load_executor(_artifact_dir(tmp_path / "a", other, engine), other)
+    # A module compiled with an extension this CPU lacks: one of the x86 table's where this CPU
+    # lacks one; on a CPU with them all, an extension no x86 CPU has (a forged manifest).
+    from runtime_agent.executors.iree import X86_TARGET_FEATURES, target_features
+
+    has = set(target_features(here.cpu))
+    lacking = sorted({short for short, _ in X86_TARGET_FEATURES.values()} - has) or ["i8mm"]
     wanting = result.manifest.model_copy(deep=True)
-    wanting.runtime_config["cpu_features"] = ["vnni", "bf16", "fp16", "avxvnni"]
-    with pytest.raises(FingerprintMismatch, match="lacks"):
+    wanting.runtime_config["cpu_features"] = sorted(has | {lacking[0]})
+    with pytest.raises(FingerprintMismatch, match=rf"lacks \['{lacking[0]}'\]"):
         load_executor(_artifact_dir(tmp_path / "b", wanting, engine), wanting)
 
 
