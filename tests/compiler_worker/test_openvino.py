@@ -231,21 +231,32 @@ def test_reduced_precision_candidates_pass_the_gate(tmp_path: Path,
         assert bf16.outcome is CandidateOutcome.SKIPPED
 
 
+def _int8_past_any_gate_options(tuning_budget_s: float) -> CompileOptions:
+    """OpenVINO int8 only, under a gate no int8 engine of ``small_cnn`` meets."""
+    return CompileOptions(
+        backends=["openvino"], precision=Precision.INT8, tuning_budget_s=tuning_budget_s,
+        benchmark_iterations=5,
+        accuracy=AccuracyGate(metric=AccuracyMetric.MAX_ABS, threshold=1e-7))
+
+
+def _int8_past_any_gate(tmp_path: Path, here: HardwareFingerprint, *,
+                        tuning_budget_s: float) -> dict[str, dict]:
+    """The candidate rows of a job that fails typed: its int8 candidates cannot meet the gate."""
+    model = small_cnn(batch=1)
+    with pytest.raises(AccuracyGateFailed) as failed:
+        compile_model(model.SerializeToString(), _int8_past_any_gate_options(tuning_budget_s),
+                      fingerprint=here, workdir=tmp_path,
+                      samples=samples_for(model, NNCF_MIN_CALIBRATION_SAMPLES))
+    return {r["name"]: r for r in failed.value.details["tuning"]["candidates"]}
+
+
 def test_accuracy_control_runs_when_ptq_misses_the_gate(tmp_path: Path,
                                                         here: HardwareFingerprint) -> None:
     """A gate no int8 engine meets on this model: PTQ misses it, so NNCF's accuracy-aware
     quantization is built and judged too (it reverts layers to floating point until the
     restorer's rounds run out; it cannot meet this gate either, but it must have been
     tried), and the job fails typed with the table."""
-    model = small_cnn(batch=1)
-    options = CompileOptions(
-        backends=["openvino"], precision=Precision.INT8, tuning_budget_s=30,
-        benchmark_iterations=5,
-        accuracy=AccuracyGate(metric=AccuracyMetric.MAX_ABS, threshold=1e-7))
-    with pytest.raises(AccuracyGateFailed) as failed:
-        compile_model(model.SerializeToString(), options, fingerprint=here, workdir=tmp_path,
-                      samples=samples_for(model, NNCF_MIN_CALIBRATION_SAMPLES))
-    rows = {r["name"]: r for r in failed.value.details["tuning"]["candidates"]}
+    rows = _int8_past_any_gate(tmp_path, here, tuning_budget_s=30)
     assert rows["openvino/int8-ptq"]["outcome"] == CandidateOutcome.FAILED_ACCURACY.value
     control = rows["openvino/int8-accuracy-control"]
     assert control["outcome"] == CandidateOutcome.FAILED_ACCURACY.value, control["reason"]
@@ -327,15 +338,8 @@ def test_accuracy_control_stops_at_the_tuning_budget(tmp_path: Path,
     recorded over_budget (without the deadline it runs its rounds to the end)."""
     from compiler_worker.backends.base import BuildDeadline, build_deadline
 
-    model = small_cnn(batch=1)
-    options = CompileOptions(
-        backends=["openvino"], precision=Precision.INT8, tuning_budget_s=0.5,
-        benchmark_iterations=5,
-        accuracy=AccuracyGate(metric=AccuracyMetric.MAX_ABS, threshold=1e-7))
-    with pytest.raises(AccuracyGateFailed) as failed:
-        compile_model(model.SerializeToString(), options, fingerprint=here, workdir=tmp_path,
-                      samples=samples_for(model, NNCF_MIN_CALIBRATION_SAMPLES))
-    rows = {r["name"]: r for r in failed.value.details["tuning"]["candidates"]}
+    rows = _int8_past_any_gate(tmp_path, here, tuning_budget_s=0.5)
+    model, options = small_cnn(batch=1), _int8_past_any_gate_options(0.5)
     # The first build is never bounded: PTQ ran to its end (and missed this gate).
     assert rows["openvino/int8-ptq"]["outcome"] == CandidateOutcome.FAILED_ACCURACY.value
     control = rows["openvino/int8-accuracy-control"]
