@@ -11,7 +11,8 @@ nothing worth stealing and cannot reach what it is not meant to:
   Landlock domain binds the thread that asks and the threads it starts later), it confines
   itself with Landlock: it may read the Python installation, its own packages, the system
   libraries and a few files of ``/etc``; it may write only beneath its cache folder (its
-  state, the verified artifacts, the unpacked plugins, and its temporary folder); from ABI 4
+  state, the verified artifacts, the unpacked plugins, its temporary folder and its home
+  folder: ``HOME``, where runtimes find their opt-outs, ``HOME_FILES``); from ABI 4
   it may connect only to the control plane's port and the ports it is given
   (``KILN_AGENT_CONNECT_PORTS``: a blob store that presigned downloads redirect to), and bind
   only its inference ports. The token, the root keys and the fingerprint file are read before.
@@ -163,6 +164,31 @@ def prepare_tmp(cache_dir: Path) -> Path:
     return tmp
 
 
+#: The agent's home folder, beneath its cache (``HOME`` once confined).
+HOME_DIRNAME = "home"
+#: Files a runtime reads in the home folder, with the content that keeps it from writing
+#: there: ``import openvino`` initialises OpenVINO's telemetry, which without a consent file
+#: takes consent as given, then reads and writes a client id and usage counts under the home
+#: folder and queues events for the network. The confinement refuses the real home, so the
+#: import failed (PermissionError) and no OpenVINO engine loaded. "0" is the telemetry's own
+#: documented opt-out (what its ``opt_in_out --opt_out`` writes): it then reads this file only.
+HOME_FILES = {"intel/openvino_telemetry": "0"}
+
+
+def prepare_home(cache_dir: Path) -> Path:
+    """Point ``HOME`` at a folder of the agent's own beneath the cache, holding ``HOME_FILES``;
+    returns it. The real home stays refused: a runtime that reads it finds its opt-out here
+    instead. The files are written again on every start, since anything in the agent may
+    write beneath the cache."""
+    home = Path(cache_dir).resolve() / HOME_DIRNAME
+    for relative, content in HOME_FILES.items():
+        path = home / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+    os.environ["HOME"] = str(home)
+    return home
+
+
 def confine_agent(cache_dir: Path, *, connect_ports: Iterable[int] = (),
                   bind_ports: Iterable[int] = (), readable: Sequence[Path] = ()) -> Confinement:
     """Confine this process (Landlock): read as ``readable_paths``, write beneath
@@ -170,6 +196,7 @@ def confine_agent(cache_dir: Path, *, connect_ports: Iterable[int] = (),
     call on the main thread before any other starts. Logs what could not be enforced."""
     cache = Path(cache_dir).resolve()
     prepare_tmp(cache)
+    prepare_home(cache)
     roots, files = readable_paths(readable)
     report = Confinement(readable=roots + files, writable=[str(cache)],
                          connect_ports=sorted({p for p in connect_ports if p} | {DNS_PORT}),

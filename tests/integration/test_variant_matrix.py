@@ -40,12 +40,9 @@ from tests.integration.variants import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 HERE = detect_fingerprint()
-#: A known defect, not a property of the CPU: the bf16 engine is OpenVINO's, and a confined
-#: agent cannot load an OpenVINO engine yet (OpenVINO's telemetry reads a client-id file in
-#: the home folder, which the agent's confinement refuses: PermissionError). The column is left
-#: out here until that is fixed; `bench/variants.py` still shows it failing.
-KNOWN_DEFECTS = {"bf16": "a confined agent cannot load an OpenVINO engine yet (OpenVINO's "
-                         "telemetry reads a file in the home folder the confinement refuses)"}
+#: Columns left out for a known defect of Kiln, not a property of the CPU (the reason, by
+#: precision); `bench/variants.py` still shows such a column. None at present.
+KNOWN_DEFECTS: dict[str, str] = {}
 SKIPPED = {p: why for p in ENGINES
            if (why := KNOWN_DEFECTS.get(p) or not_buildable_here(p, HERE.cpu))}
 
