@@ -17,7 +17,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from schemas.errors import ConfigError
-from services.config import SharedSettings
+from schemas.settings import SharedSettings
 
 logger = logging.getLogger(__name__)
 

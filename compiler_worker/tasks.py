@@ -1,4 +1,6 @@
-"""Celery tasks: thin, named, idempotent. They take a job id and call plain code."""
+"""Celery tasks: thin, named, idempotent. They take a job id and call plain code. Registered
+on the worker's own app (``compiler_worker.queue``) under the names the control plane sends
+(``schemas.queue``)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from celery import Task
 
 from compiler_worker.config import get_worker_settings
 from compiler_worker.jobs import JobRunner, is_transient
+from compiler_worker.queue import celery_app
 from schemas.errors import ErrorBody, ErrorCode
-from services.queue import COMPILE_TASK, celery_app
+from schemas.queue import COMPILE_TASK
 
 logger = logging.getLogger(__name__)
 

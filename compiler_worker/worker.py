@@ -21,11 +21,12 @@ from compiler_worker.backends import available
 from compiler_worker.backends.base import PIPELINE_MODEL_FORMATS
 from compiler_worker.config import WorkerSettings, get_worker_settings
 from compiler_worker.jobs import JobRunner
+from compiler_worker.queue import broker_probe, celery_app, configure_celery
 from schemas import CompileOptions, HardwareFingerprint, Precision
 from schemas.builds import WorkerHeartbeat
 from schemas.errors import KilnError
-from services.health import broker_probe, readiness
-from services.queue import celery_app, configure_celery, queue_for
+from schemas.health import readiness
+from schemas.queue import queue_for
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ def run_worker(*, concurrency: int | None = None, pool: str = "prefork",
     if settings.worker_name == os.uname().nodename:
         settings.worker_name = f"{settings.worker_name}-{os.getpid()}"
     configure_celery(settings)
-    import compiler_worker.tasks  # noqa: F401  (registers the task on celery_app)
+    import compiler_worker.tasks  # noqa: F401  (registers the task on the worker's app)
 
     runner = JobRunner(settings)
     runner.builds  # noqa: B018  (refuse to start without the control plane's URL and a token)

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal, Self
+from typing import Self
 
 from pydantic import Field, PrivateAttr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from artifact_store.http_guard import ConnectionLimits
 from schemas.errors import ConfigError
+from schemas.settings import SharedSettings  # the workers' too; still importable from here
 
 DEFAULT_SECRET = "change-me"
 
@@ -24,53 +25,6 @@ EXPLICIT_IN_PRODUCTION = {
     "broker_url": "e.g. redis://redis:6379/0",
     "store_uri": "e.g. s3://bucket/prefix or file:///srv/kiln/store",
 }
-
-
-class SharedSettings(BaseSettings):
-    """The settings the control plane and the compiler workers share: none is a secret.
-    A worker's settings (``compiler_worker.config``) extend these, not the control plane's,
-    so a worker process never reads a database URL, a store credential, a signing key or the
-    JWT secret."""
-
-    model_config = SettingsConfigDict(env_prefix="KILN_", env_file=None, extra="ignore")
-
-    #: ``production`` refuses to start with the default secret, with a database, broker or
-    #: store left to its embedded default, or with an unknown ``KILN_*`` variable; ``dev``
-    #: allows all three (an unknown variable is then a warning).
-    env: Literal["dev", "production"] = "production"
-    #: State folder of the embedded stack; the services' defaults live under it.
-    home: Path = Path(".kiln")
-    #: Default: kombu's filesystem transport under ``home`` (no server). Production: redis://.
-    broker_url: str | None = None
-    #: Python logging level of the API and workers.
-    log_level: str = "INFO"
-    #: A job's soft time limit is its tuning budget plus this margin plus the publish retry
-    #: budget, seconds; past it the job fails `timed_out`, naming its stage.
-    job_time_margin_s: float = Field(600.0, gt=0)
-    #: Seconds after the soft time limit before the build process is killed (hard limit);
-    #: the sweep fails a job still `running` that long after its hard limit.
-    job_kill_grace_s: float = Field(60.0, gt=0)
-    #: How long a worker keeps retrying the publish of a finished build (the API, or its store
-    #: or database, unreachable), with backoff, before the job fails; its outputs are kept
-    #: meanwhile.
-    publish_retry_budget_s: float = Field(600.0, ge=0)
-    #: Confine sandboxed children (upload inspection in the API, builds in workers) to their
-    #: scratch folder with Landlock where the kernel has it (Linux 5.13+); off, or where the
-    #: kernel lacks it, a warning says what is not enforced.
-    sandbox_landlock: bool = True
-    #: Give sandboxed children a network namespace of their own (no network) where user
-    #: namespaces are allowed.
-    sandbox_network_isolation: bool = True
-
-    @property
-    def broker_folder(self) -> Path:
-        """Where the server-less broker keeps its messages."""
-        return self.home.resolve() / "broker"
-
-    def job_time_limits(self, tuning_budget_s: float) -> tuple[float, float]:
-        """(soft, hard) time limits in seconds of a job with this tuning budget."""
-        soft = tuning_budget_s + self.job_time_margin_s + self.publish_retry_budget_s
-        return soft, soft + self.job_kill_grace_s
 
 
 class KilnSettings(SharedSettings):

@@ -1,11 +1,13 @@
-"""Whether the broker answers: one cheap round trip, for ``/readyz`` and start-up checks."""
+"""Whether the broker answers: one cheap round trip, for the API's ``/readyz`` and the
+start-up checks of ``kiln api`` and ``kiln worker`` (``services.preflight``)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
-from services.config import SharedSettings
+from artifact_store.queue_folder import check_folder
+from schemas.queue import uses_broker_folder
+from schemas.settings import SharedSettings
 
 
 def broker_probe(settings: SharedSettings, *, timeout_s: float = 3.0) -> Callable[[], None]:
@@ -13,13 +15,8 @@ def broker_probe(settings: SharedSettings, *, timeout_s: float = 3.0) -> Callabl
     ``timeout_s``: a PING for Redis, the folder for the filesystem broker, one connection
     attempt for another kombu transport."""
     url = settings.broker_url or ""
-    if url.startswith("filesystem"):
-        def probe() -> None:
-            folder = settings.broker_folder / "queue"
-            if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-                raise OSError(f"the filesystem broker's folder {folder} is missing or "
-                              f"not writable")
-        return probe
+    if uses_broker_folder(settings):
+        return lambda: check_folder(settings.broker_folder)
     if url.startswith(("redis://", "rediss://", "unix://")):
         def probe() -> None:
             import redis

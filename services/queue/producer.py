@@ -9,7 +9,7 @@ from kombu.exceptions import OperationalError
 
 from schemas.errors import QueueUnavailable
 from schemas.jobs import task_id as job_task_id
-from services.queue.names import COMPILE_TASK, queue_for
+from schemas.queue import COMPILE_TASK, queue_for
 
 logger = logging.getLogger(__name__)
 

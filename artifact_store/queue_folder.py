@@ -15,7 +15,10 @@ This transport keeps the stock one's folder layout and file names, and changes t
   a file that does not decode is moved to ``rejected/`` and logged, never raised;
 - the exchange table is read, changed and rewritten under one exclusive lock.
 
-Selected with Celery's ``broker_transport`` setting (``services.queue.app``).
+Selected with Celery's ``broker_transport`` setting (``schemas.queue.celery_config``), by
+the control plane's producer and the compiler workers alike: this module sits low enough for
+both to import. ``make_folders`` makes its folders where an app is configured;
+``check_folder`` is the readiness probe of a process that uses it.
 """
 
 from __future__ import annotations
@@ -33,10 +36,25 @@ from kombu.exceptions import ChannelError
 from kombu.transport import filesystem
 from kombu.utils.json import dumps, loads
 
+from schemas.queue import BROKER_SUBFOLDERS
+
 logger = logging.getLogger(__name__)
 
 TRANSPORT = f"{__name__}:Transport"
 _MESSAGE_SUFFIX = ".msg"
+
+
+def make_folders(folder: Path) -> None:
+    """Make the broker's folders under ``folder`` (``SharedSettings.broker_folder``)."""
+    for sub in BROKER_SUBFOLDERS:
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+
+
+def check_folder(folder: Path) -> None:
+    """Raise unless the broker's message folder under ``folder`` exists and is writable."""
+    messages = folder / "queue"
+    if not messages.is_dir() or not os.access(messages, os.W_OK | os.X_OK):
+        raise OSError(f"the filesystem broker's folder {messages} is missing or not writable")
 
 
 def _message_queue(filename: str) -> str | None:

@@ -1,4 +1,5 @@
-"""The embedded broker under concurrent producers and consumers, as separate processes."""
+"""The embedded broker (``artifact_store.queue_folder``) under concurrent producers and
+consumers, as separate processes."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ import pytest
 from kombu import Connection
 from kombu.transport import filesystem as stock
 
-from services.config import KilnSettings
-from services.queue.app import celery_config
-from services.queue.filesystem import TRANSPORT
+from artifact_store.queue_folder import TRANSPORT, make_folders
+from schemas.queue import FILESYSTEM_TRANSPORT, celery_config
+from schemas.settings import SharedSettings
 
 QUEUE = "build.ort-cpu-x86-64-v3-ort1.32"
 
 
 def _connection(folder: Path) -> Connection:
-    config = celery_config(KilnSettings(home=folder))
+    settings = SharedSettings(home=folder, broker_url="filesystem://")
+    make_folders(settings.broker_folder)  # as either side's app does when it is configured
+    config = celery_config(settings)
     return Connection(config["broker_url"], transport=config["broker_transport"],
                       transport_options=config["broker_transport_options"])
 
@@ -47,10 +50,11 @@ def _consume(folder: Path, out: mp.Queue, idle_s: float) -> None:
 
 
 def test_settings_select_the_safe_transport(tmp_path: Path):
-    config = celery_config(KilnSettings(home=tmp_path))
-    assert config["broker_transport"] == TRANSPORT
+    config = celery_config(SharedSettings(home=tmp_path, broker_url="filesystem://"))
+    # schemas names the transport without importing it: the name must be this module's.
+    assert config["broker_transport"] == FILESYSTEM_TRANSPORT == TRANSPORT
     with _connection(tmp_path) as conn:
-        assert type(conn.transport).__module__ == "services.queue.filesystem"
+        assert type(conn.transport).__module__ == "artifact_store.queue_folder"
 
 
 def test_concurrent_producers_and_consumers_deliver_every_message_once(tmp_path: Path):
