@@ -89,8 +89,8 @@ def main() -> None:
 
         rows = [
             ("child round trip (no work)",
-             lambda: run_sandboxed("builtins:print", {}, scratch=fresh(), limits=Limits(),
-                                   stage="bench"), None),
+             lambda: run_sandboxed("artifact_store.sandbox", "noop", {}, scratch=fresh(),
+                                   limits=Limits(), stage="bench"), None),
             ("API: inspect a model upload",
              lambda: check_model_upload([("model.onnx", upload)], fresh() / "model",
                                         settings=settings),
@@ -131,8 +131,8 @@ def main() -> None:
         for _ in range(args.repeats * 3):
             for name, limits in variants.items():
                 walls[name] += _time(lambda limits=limits: run_sandboxed(
-                    "builtins:print", {}, scratch=fresh(), limits=limits, stage="bench"), 1,
-                    cpus[name])
+                    "artifact_store.sandbox", "noop", {}, scratch=fresh(), limits=limits,
+                    stage="bench"), 1, cpus[name])
         for name in variants:
             bounds.add_row(name, fmt(walls[name], 1000, "ms", 0), fmt(cpus[name], 1000, "ms", 0))
         console.print(bounds)

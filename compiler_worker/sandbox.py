@@ -9,8 +9,10 @@ that must describe the planned artifact, and blob files that must be regular fil
 scratch folder (the control plane re-hashes them as they are uploaded).
 
 One child per step: ``custom_ops`` (imports onnx only) and ``compile_model`` (one child for
-the whole tuning run, not one per candidate). A child that breaches a limit fails the job
-with ``resource_limit`` or ``timed_out`` naming the stage; the worker goes on serving.
+the whole tuning run, not one per candidate); each runs ``python -m
+compiler_worker.sandbox_child``, whose table names the two steps. A child that breaches a
+limit fails the job with ``resource_limit`` or ``timed_out`` naming the stage; the worker
+goes on serving.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from artifact_store.sandbox import Limits, readable_in_child, run_sandboxed
+from compiler_worker import sandbox_child
 from compiler_worker.benchmark import ensure_lock_file
 from compiler_worker.config import WorkerSettings
 from compiler_worker.pipeline import BuildPlan, CompileResult, StageCallback
@@ -73,7 +76,7 @@ class Sandbox:
     def custom_ops(self, model_bytes: bytes, workdir: Path) -> set[str]:
         """The custom ops (``domain::OpType``) the model uses, parsed in a child."""
         model = _write(workdir, MODEL_FILE, model_bytes)
-        ops = run_sandboxed(f"{__name__}:custom_ops_child", {"model": model.name},
+        ops = run_sandboxed(sandbox_child.__name__, "custom_ops", {"model": model.name},
                             scratch=workdir, limits=self.limits, stage=JobStage.LOADING.value)
         if not isinstance(ops, list) or not all(isinstance(op, str) for op in ops):
             raise CompileError(f"the model inspection answered {type(ops).__name__}, not a "
@@ -129,7 +132,7 @@ class Sandbox:
                 return
             on_stage(stage, min(max(progress, 0.0), 1.0))
 
-        answer = run_sandboxed(f"{__name__}:compile_child", args, scratch=workdir,
+        answer = run_sandboxed(sandbox_child.__name__, "compile", args, scratch=workdir,
                                limits=self.limits, stage=JobStage.LOADING.value, on_event=relay,
                                readable=[Path(args["benchmark_lock"])])
         return _checked_result(answer, plan, options, workdir, plugins)
@@ -182,57 +185,3 @@ def _checked_result(answer: Any, plan: BuildPlan, options: CompileOptions, workd
     archives = {ref.digest: Path(path) for ref, path in plugins}
     plugin_paths = {p.digest: archives[p.digest] for p in manifest.plugins if p.digest in archives}
     return CompileResult(manifest=manifest, blob_paths=blob_paths, plugin_paths=plugin_paths)
-
-
-# --- in the child ------------------------------------------------------------------------------
-
-def custom_ops_child(args: dict[str, Any], emit) -> list[str]:
-    from schemas.onnx_model import custom_ops, load_model_bytes
-    from schemas.torch_export import inspect_export_archive, is_zip
-
-    path = Path(args["model"])
-    with path.open("rb") as handle:
-        if is_zip(handle.read(4)):  # a torch.export program: its ops outside torch's own
-            return sorted(inspect_export_archive(path).custom_ops)
-
-    return sorted(custom_ops(load_model_bytes(Path(args["model"]).read_bytes())))
-
-
-def compile_child(args: dict[str, Any], emit) -> dict[str, Any]:
-    from compiler_worker.pipeline import compile_model, plan_build
-    from schemas.datasets import load_npz
-
-    def dataset(name: str | None):
-        if name is None:
-            return None
-        data = Path(name).read_bytes()
-        return load_npz(data, max_bytes=len(data))
-
-    model_bytes = Path(args["model"]).read_bytes()
-    options = CompileOptions.model_validate(args["options"])
-    fingerprint = HardwareFingerprint.model_validate(args["fingerprint"])
-    plugins = [(PluginRef.model_validate(p["ref"]), Path(p["archive"]).resolve())
-               for p in args["plugins"]]
-    disabled = frozenset(args["disabled_passes"])
-    from schemas._canonical import sha256_hex
-    from schemas.torch_export import model_format
-
-    plan = plan_build(sha256_hex(model_bytes), options, fingerprint, key=args["key"],
-                      disabled_passes=disabled, plugins=[ref for ref, _ in plugins],
-                      model_format=model_format(model_bytes))
-    if (plan.artifact_id, plan.toolchain) != (args["artifact_id"], args["toolchain"]):
-        raise CompileError(
-            f"the build plans artifact {plan.artifact_id} with toolchain {plan.toolchain!r}; "
-            f"the worker planned {args['artifact_id']} with {args['toolchain']!r}")
-    result = compile_model(
-        model_bytes, options, fingerprint=fingerprint, workdir=Path.cwd(),
-        on_stage=lambda stage, progress: emit({"stage": stage.value, "progress": progress}),
-        disabled_passes=disabled, plugins=plugins, plan=plan,
-        samples=dataset(args["samples"]), calibration=dataset(args["calibration"]),
-        reuse=None if args["reuse"] is None else TuningTable.model_validate(args["reuse"]),
-        benchmark_lock=Path(args["benchmark_lock"]) if args.get("benchmark_lock") else None,
-    )
-    cwd = Path.cwd().resolve()
-    return {"manifest": result.manifest.model_dump(mode="json"),
-            "blob_paths": {name: str(Path(path).resolve().relative_to(cwd))
-                           for name, path in result.blob_paths.items()}}

@@ -7,8 +7,12 @@ the scratch folder and answers what the API records. A parser that allocates bey
 ``KILN_INSPECT_MEMORY_BYTES`` or runs past ``KILN_INSPECT_CPU_S`` / ``KILN_INSPECT_TIMEOUT_S``
 fails the upload with ``resource_limit`` (413) or ``timed_out`` (422); the API serves on.
 
-The child's side is the ``*_child`` functions and the plain checks they call; the parent's
-side is ``check_model_upload``, ``inspect_dataset`` and ``inspect_plugin_bundle``.
+The child's side is the ``*_child`` functions and the plain checks they call, served by this
+module's ``__main__`` (the child runs ``python -m services.api.inspection``, its steps the
+fixed table ``STEPS``); the parent's side is ``check_model_upload``, ``inspect_dataset`` and
+``inspect_plugin_bundle``. What this module imports at its top is imported in the child
+before it confines itself: pydantic models and settings only; the parsers load inside the
+steps, after.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from artifact_store.sandbox import Limits, run_sandboxed
+from artifact_store.sandbox import Emit, Limits, Step, run_sandboxed, serve_child
 from schemas.errors import ErrorCode, InvalidModel, KilnError, SandboxCrashed
 from schemas.manifest import TensorSpec
 from schemas.plugins import PluginManifest
@@ -68,13 +72,13 @@ class ModelCheck:
     outputs: list[TensorSpec]
 
 
-def _inspect(function: str, args: dict[str, Any], *, scratch: Path, settings: KilnSettings,
+def _inspect(step: str, args: dict[str, Any], *, scratch: Path, settings: KilnSettings,
              stage: str, readable: list[Path]) -> Any:
-    """Run ``function`` of this module in an inspection child. An unexpected failure in it is
-    the upload's doing (a parser tripping over it), answered 422 ``sandbox_crashed``, never
-    a 500 of the API."""
+    """Run ``step`` of ``STEPS`` in an inspection child. An unexpected failure in it is the
+    upload's doing (a parser tripping over it), answered 422 ``sandbox_crashed``, never a
+    500 of the API."""
     try:
-        return run_sandboxed(f"{__name__}:{function}", args, scratch=scratch,
+        return run_sandboxed(__name__, step, args, scratch=scratch,
                              limits=inspection_limits(settings), stage=stage, readable=readable)
     except KilnError as exc:
         if exc.code is not ErrorCode.INTERNAL:
@@ -97,7 +101,7 @@ def check_model_upload(received: list[tuple[str | None, Path]], dest: Path, *,
     scratch (where the blob is written)."""
     dest = Path(dest)
     answer = _inspect(
-        "model_child",
+        "model",
         {"received": [[name, str(Path(path).resolve())] for name, path in received],
          "dest": dest.name, "max_bytes": settings.max_upload_bytes},
         scratch=dest.parent, settings=settings, stage="inspect_model",
@@ -122,7 +126,7 @@ def inspect_dataset(path: Path, *, settings: KilnSettings, max_bytes: int) -> li
     # next API to start removes if this one is killed (services.api.transfers.ScratchFolder).
     with tempfile.TemporaryDirectory(prefix="kiln-inspect-", dir=Path(path).parent) as scratch:
         answer = _inspect(
-            "dataset_child", {"path": str(Path(path).resolve()), "max_bytes": max_bytes},
+            "dataset", {"path": str(Path(path).resolve()), "max_bytes": max_bytes},
             scratch=Path(scratch), settings=settings, stage="inspect_dataset",
             readable=[Path(path)])
     return _answer(answer, lambda raw: [TensorSpec.model_validate(t) for t in raw], "dataset")
@@ -134,7 +138,7 @@ def inspect_plugin_bundle(path: Path, *, settings: KilnSettings) -> PluginManife
     # next API to start removes if this one is killed (services.api.transfers.ScratchFolder).
     with tempfile.TemporaryDirectory(prefix="kiln-inspect-", dir=Path(path).parent) as scratch:
         answer = _inspect(
-            "bundle_child", {"path": str(Path(path).resolve())},
+            "bundle", {"path": str(Path(path).resolve())},
             scratch=Path(scratch), settings=settings, stage="inspect_plugin",
             readable=[Path(path)])
     return _answer(answer, PluginManifest.model_validate, "plugin bundle")
@@ -152,7 +156,7 @@ def _preload() -> None:
     import schemas.torch_export  # noqa: F401
 
 
-def model_child(args: dict[str, Any], emit) -> dict[str, Any]:
+def model_child(args: dict[str, Any], emit: Emit) -> dict[str, Any]:
     _preload()
     received = [(name, Path(path)) for name, path in args["received"]]
     checked = check_upload(received, Path(args["dest"]), max_bytes=args["max_bytes"])
@@ -160,7 +164,7 @@ def model_child(args: dict[str, Any], emit) -> dict[str, Any]:
             "outputs": [t.model_dump(mode="json") for t in checked.outputs]}
 
 
-def dataset_child(args: dict[str, Any], emit) -> list[dict[str, Any]]:
+def dataset_child(args: dict[str, Any], emit: Emit) -> list[dict[str, Any]]:
     from schemas.datasets import inspect_npz
 
     _preload()
@@ -168,7 +172,7 @@ def dataset_child(args: dict[str, Any], emit) -> list[dict[str, Any]]:
     return [spec.model_dump(mode="json") for spec in specs]
 
 
-def bundle_child(args: dict[str, Any], emit) -> dict[str, Any]:
+def bundle_child(args: dict[str, Any], emit: Emit) -> dict[str, Any]:
     from artifact_store.bundles import read_bundle
 
     return read_bundle(Path(args["path"])).model_dump(mode="json")
@@ -233,3 +237,11 @@ def check_upload(received: list[tuple[str | None, Path]], dest: Path, *,
     inputs, outputs = signature(graph)
     return ModelCheck(media_type, "onnx", default_opset(graph), int(graph.ir_version),
                      inputs, outputs)
+
+
+#: The steps an inspection child offers (``python -m services.api.inspection``), by name.
+STEPS: dict[str, Step] = {"model": model_child, "dataset": dataset_child,
+                          "bundle": bundle_child}
+
+if __name__ == "__main__":
+    serve_child(STEPS)

@@ -1,5 +1,6 @@
-"""Functions the sandbox tests run in a child (``artifact_store.sandbox`` imports them by
-name). Each tries something a sandboxed step must not be able to do and reports what it got."""
+"""The sandbox tests' child entry point (``python -m tests.artifact_store.sandbox_targets``)
+and the steps it serves. Each tries something a sandboxed step must not be able to do and
+reports what it got."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from artifact_store.sandbox import serve_child
 from schemas.errors import InvalidRequest
 
 
@@ -162,3 +164,12 @@ def setsid_grandchild(args: dict[str, Any], emit) -> str:
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                      start_new_session=True)
     return "started"
+
+
+STEPS = {step.__name__: step for step in (
+    probe, allocate, memory_rlimits, write_proc, use_tmp, spin, sleep_with_grandchild,
+    write_file, abort, refuse, echo, close_and_sleep, flood_answer, flood_log, sleep_forever,
+    unix_connect, read_proc, fork_bomb, setsid_grandchild)}
+
+if __name__ == "__main__":
+    serve_child(STEPS)

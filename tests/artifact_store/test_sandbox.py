@@ -17,10 +17,19 @@ from pathlib import Path
 import pytest
 
 from artifact_store.sandbox import Limits, child_environment, run_sandboxed
-from schemas.errors import InvalidRequest, KilnError, ResourceLimit, SandboxCrashed, TimedOut
+from schemas.errors import (
+    ErrorCode,
+    InvalidRequest,
+    KilnError,
+    ResourceLimit,
+    SandboxCrashed,
+    TimedOut,
+)
+from tests.artifact_store import sandbox_targets
 
 ROOT = Path(__file__).resolve().parents[2]
-TARGETS = "tests.artifact_store.sandbox_targets"
+#: The tests' child entry point (``python -m tests.artifact_store.sandbox_targets``).
+TARGETS = sandbox_targets.__name__
 SECRET = "SECRET-SIGNING-KEY-42"
 
 
@@ -29,11 +38,11 @@ def importable(monkeypatch: pytest.MonkeyPatch) -> None:
     """The child imports the targets from this checkout (its only inherited import path);
     each test starts with nothing warned yet."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    monkeypatch.setattr("artifact_store.sandbox._WARNED", set())
+    monkeypatch.setattr("artifact_store.sandbox.parent._WARNED", set())
 
 
 def run(target: str, args: dict, scratch: Path, **limits):
-    return run_sandboxed(f"{TARGETS}:{target}", args, scratch=scratch,
+    return run_sandboxed(TARGETS, target, args, scratch=scratch,
                          limits=Limits(**{"wall_s": 60, **limits}), stage="test")
 
 
@@ -91,6 +100,24 @@ def test_a_typed_error_in_the_child_arrives_typed_with_its_stage(tmp_path: Path)
     assert err.value.details == {"field": "x", "stage": "test"}
 
 
+def test_a_step_outside_the_entry_points_table_is_refused_typed(tmp_path: Path):
+    """The child runs only the steps its entry point's table holds; a name in the request is
+    never imported, whatever module it names."""
+    for step in ("no_such_step", "os:system", "_attempt"):
+        with pytest.raises(KilnError) as err:
+            run(step, {}, tmp_path / "s")
+        assert err.value.code is ErrorCode.INTERNAL
+        assert err.value.details["step"] == step
+        assert err.value.details["steps"] == sorted(sandbox_targets.STEPS)
+        assert "has no step" in err.value.message and "probe" in err.value.message
+
+
+def test_an_entry_point_is_a_module_name_and_nothing_else(tmp_path: Path):
+    for entry in ("-c", "tests.artifact_store.sandbox_targets:probe", "a b", ""):
+        with pytest.raises(ValueError, match="dotted module name"):
+            run_sandboxed(entry, "probe", {}, scratch=tmp_path, limits=Limits(), stage="test")
+
+
 def test_allocating_past_the_address_space_limit_is_resource_limit(tmp_path: Path):
     with pytest.raises(ResourceLimit) as err:
         run("allocate", {"bytes": 2 << 30}, tmp_path, address_space_bytes=1 << 30)
@@ -114,7 +141,8 @@ def test_a_child_given_a_gpu_is_bounded_by_its_data_segment(
     limit = 1 << 30
     assert run("memory_rlimits", {}, tmp_path / "cpu", address_space_bytes=limit) == {
         "address_space": limit, "data": resource.getrlimit(resource.RLIMIT_DATA)[0]}
-    monkeypatch.setattr("artifact_store.sandbox.accelerator_devices", lambda: [str(fake)])
+    monkeypatch.setattr("artifact_store.sandbox.parent.accelerator_devices",
+                        lambda: [str(fake)])
     assert run("memory_rlimits", {}, tmp_path / "gpu", address_space_bytes=limit) == {
         "address_space": resource.getrlimit(resource.RLIMIT_AS)[0], "data": limit}
     with pytest.raises(ResourceLimit, match="of memory") as err:
@@ -132,7 +160,8 @@ def test_a_child_given_a_gpu_may_write_its_own_proc_entry_and_no_other(
     fake = tmp_path / "dev" / "nvidia0"
     fake.parent.mkdir()
     fake.touch()
-    monkeypatch.setattr("artifact_store.sandbox.accelerator_devices", lambda: [str(fake)])
+    monkeypatch.setattr("artifact_store.sandbox.parent.accelerator_devices",
+                        lambda: [str(fake)])
     got = run("write_proc", {}, tmp_path / "gpu")
     assert got["own"].startswith("ok"), got
     assert got["parent"].startswith("refused"), got
@@ -292,7 +321,7 @@ def test_a_child_that_closes_its_pipes_and_lingers_is_stopped_at_its_deadline(tm
 
 
 def test_an_oversized_answer_stops_the_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr("artifact_store.sandbox.MAX_ANSWER_BYTES", 1 << 20)
+    monkeypatch.setattr("artifact_store.sandbox.parent.MAX_ANSWER_BYTES", 1 << 20)
     started = time.monotonic()
     with pytest.raises(SandboxCrashed) as err:
         run("flood_answer", {}, tmp_path, wall_s=60)
@@ -302,7 +331,7 @@ def test_an_oversized_answer_stops_the_child(tmp_path: Path, monkeypatch: pytest
 
 def test_a_flood_of_output_is_relayed_only_up_to_its_cap(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
-    monkeypatch.setattr("artifact_store.sandbox.MAX_RELAYED_BYTES", 10_000)
+    monkeypatch.setattr("artifact_store.sandbox.parent.MAX_RELAYED_BYTES", 10_000)
     caplog.set_level(logging.INFO, logger="artifact_store.sandbox.child")
     assert run("flood_log", {"lines": 5000}, tmp_path) == "done"
     relayed = [r for r in caplog.records if r.name == "artifact_store.sandbox.child"]
@@ -354,7 +383,7 @@ def test_the_child_dies_with_the_process_that_started_it(tmp_path: Path):
     scratch = tmp_path / "s"
     starter = subprocess.Popen([sys.executable, "-c", (
         "from pathlib import Path; from artifact_store.sandbox import Limits, run_sandboxed; "
-        f"run_sandboxed('{TARGETS}:sleep_forever', {{}}, scratch=Path({str(scratch)!r}), "
+        f"run_sandboxed('{TARGETS}', 'sleep_forever', {{}}, scratch=Path({str(scratch)!r}), "
         "limits=Limits(wall_s=600), stage='test')")])
     pid_file = scratch / "child.pid"
     deadline = time.monotonic() + 60
@@ -454,7 +483,7 @@ AS_NOBODY = """
 import json, sys
 from pathlib import Path
 from artifact_store.sandbox import Limits, run_sandboxed
-print(json.dumps(run_sandboxed("tests.artifact_store.sandbox_targets:fork_bomb", {"n": 200},
+print(json.dumps(run_sandboxed("tests.artifact_store.sandbox_targets", "fork_bomb", {"n": 200},
                                scratch=Path(sys.argv[1]), stage="test",
                                limits=Limits(wall_s=60, processes=20))))
 """
@@ -520,7 +549,7 @@ def test_without_a_pids_cgroup_a_root_worker_is_told_its_children_are_unbounded(
     (The PID namespace still ends every one of them with the step.)"""
     if os.getuid() != 0:
         pytest.skip("a worker that is not root is bounded by RLIMIT_NPROC (tested above)")
-    monkeypatch.setattr("artifact_store.sandbox._pids_hierarchy", lambda: None)
+    monkeypatch.setattr("artifact_store.sandbox.cgroup._pids_hierarchy", lambda: None)
     caplog.set_level(logging.WARNING, logger="artifact_store.sandbox")
     scratch = tmp_path / "s"
     got = run("fork_bomb", {"n": 40}, scratch, processes=16)
@@ -536,7 +565,8 @@ def test_a_pids_cgroup_left_by_a_killed_worker_is_swept(tmp_path: Path):
     import subprocess
     import sys
 
-    from artifact_store.sandbox import CGROUP_PREFIX, _pids_hierarchy
+    from artifact_store.sandbox import CGROUP_PREFIX
+    from artifact_store.sandbox.cgroup import _pids_hierarchy
 
     parent = _pids_hierarchy()
     if parent is None or not os.access(parent, os.W_OK):

@@ -1,0 +1,83 @@
+"""The child entry point of a compile job's untrusted steps (``compiler_worker.sandbox``):
+``python -m compiler_worker.sandbox_child`` serves the fixed table ``STEPS`` in a bounded
+child (``artifact_store.sandbox.serve_child``).
+
+Imported before the child confines itself, so this module imports only the sandbox's loop at
+its top; each step imports what parses or builds its input (onnx, the pipeline, the
+backends) inside, after the confinement.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from artifact_store.sandbox.child import Emit, Step, serve_child
+
+__all__ = ["STEPS", "compile_child", "custom_ops_child"]
+
+
+def custom_ops_child(args: dict[str, Any], emit: Emit) -> list[str]:
+    """The custom ops (``domain::OpType``) the model in the scratch folder uses."""
+    from schemas.onnx_model import custom_ops, load_model_bytes
+    from schemas.torch_export import inspect_export_archive, is_zip
+
+    path = Path(args["model"])
+    with path.open("rb") as handle:
+        if is_zip(handle.read(4)):  # a torch.export program: its ops outside torch's own
+            return sorted(inspect_export_archive(path).custom_ops)
+
+    return sorted(custom_ops(load_model_bytes(Path(args["model"]).read_bytes())))
+
+
+def compile_child(args: dict[str, Any], emit: Emit) -> dict[str, Any]:
+    """``pipeline.compile_model`` on the inputs in the scratch folder: the manifest, and each
+    blob's path relative to the scratch folder (``Sandbox.compile_model`` checks both)."""
+    from compiler_worker.pipeline import compile_model, plan_build
+    from schemas._canonical import sha256_hex
+    from schemas.datasets import load_npz
+    from schemas.errors import CompileError
+    from schemas.fingerprint import HardwareFingerprint
+    from schemas.options import CompileOptions
+    from schemas.plugins import PluginRef
+    from schemas.torch_export import model_format
+    from schemas.tuning import TuningTable
+
+    def dataset(name: str | None):
+        if name is None:
+            return None
+        data = Path(name).read_bytes()
+        return load_npz(data, max_bytes=len(data))
+
+    model_bytes = Path(args["model"]).read_bytes()
+    options = CompileOptions.model_validate(args["options"])
+    fingerprint = HardwareFingerprint.model_validate(args["fingerprint"])
+    plugins = [(PluginRef.model_validate(p["ref"]), Path(p["archive"]).resolve())
+               for p in args["plugins"]]
+    disabled = frozenset(args["disabled_passes"])
+    plan = plan_build(sha256_hex(model_bytes), options, fingerprint, key=args["key"],
+                      disabled_passes=disabled, plugins=[ref for ref, _ in plugins],
+                      model_format=model_format(model_bytes))
+    if (plan.artifact_id, plan.toolchain) != (args["artifact_id"], args["toolchain"]):
+        raise CompileError(
+            f"the build plans artifact {plan.artifact_id} with toolchain {plan.toolchain!r}; "
+            f"the worker planned {args['artifact_id']} with {args['toolchain']!r}")
+    result = compile_model(
+        model_bytes, options, fingerprint=fingerprint, workdir=Path.cwd(),
+        on_stage=lambda stage, progress: emit({"stage": stage.value, "progress": progress}),
+        disabled_passes=disabled, plugins=plugins, plan=plan,
+        samples=dataset(args["samples"]), calibration=dataset(args["calibration"]),
+        reuse=None if args["reuse"] is None else TuningTable.model_validate(args["reuse"]),
+        benchmark_lock=Path(args["benchmark_lock"]) if args.get("benchmark_lock") else None,
+    )
+    cwd = Path.cwd().resolve()
+    return {"manifest": result.manifest.model_dump(mode="json"),
+            "blob_paths": {name: str(Path(path).resolve().relative_to(cwd))
+                           for name, path in result.blob_paths.items()}}
+
+
+#: The steps ``compiler_worker.sandbox`` asks of this entry point, by name.
+STEPS: dict[str, Step] = {"custom_ops": custom_ops_child, "compile": compile_child}
+
+if __name__ == "__main__":
+    serve_child(STEPS)
