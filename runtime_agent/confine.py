@@ -181,6 +181,7 @@ def prepare_home(cache_dir: Path) -> Path:
     instead. The files are written again on every start, since anything in the agent may
     write beneath the cache."""
     home = Path(cache_dir).resolve() / HOME_DIRNAME
+    home.mkdir(parents=True, exist_ok=True)
     for relative, content in HOME_FILES.items():
         path = home / relative
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -75,7 +75,9 @@ def test_openvino_telemetry_reads_the_opt_out(tmp_path: Path,
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert checker.OptInChecker().check(False, True) is checker.ConsentCheckResult.NO_FILE
-    prepare_home(tmp_path / "cache")
+    home = prepare_home(tmp_path / "cache")
+    consent = Path(checker.OptInChecker().consent_file())
+    assert consent.is_relative_to(home) and consent.is_file()  # declined by reading it
     assert checker.OptInChecker().check(False, True) is checker.ConsentCheckResult.DECLINED
 
 
