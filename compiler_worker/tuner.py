@@ -10,24 +10,24 @@ agent will load it. fp32 candidates must match the fp32 reference element-wise w
 reference on the same feeds), since an element-wise tolerance is the wrong yardstick for
 int8. A candidate with ``fallback_of`` is built only when its group missed the gate.
 
-Measuring (``_benchmark``) holds the host's benchmark lock (``benchmark.host_lock``): one
-benchmark at a time per host, building outside it. Every candidate that passed gets a warm-up
-call and ``SCREEN_CALLS`` timed warm calls; only a candidate whose fastest call is beyond
-``PRUNE_RATIO`` times the fastest candidate's slowest is pruned. The finalists, every
-backend's, are then timed in the same interleaved rounds (round ``r`` runs every candidate in
-turn, so drift hits them alike), with the host's CPU sampled before and during each round.
-A busy host (other processes' share of the CPU over ``BUSY_THRESHOLD``, steal over
-``STEAL_THRESHOLD``) or a fastest finalist within noise of the default is measured again, up
-to ``MAX_REMEASURES`` times within the budget. Two finalists are told apart when their
-timings' middle halves do not overlap, or when the faster one was faster in every interleaved
-round by at least ``MIN_LEAD`` overall (a paired comparison: drift shifts both alike, so a
-lead held round after round is real even where each engine's own spread is wide). The
-quietest measurement decides: the fastest wins when it is separable from the default,
-otherwise the default is kept; on a host that stayed busy, no candidate with another thread
-policy than the default's wins (contention favours fewer threads; the node that runs the
+Measuring (``tuner_measure.benchmark_trials``) holds the host's benchmark lock
+(``benchmark.host_lock``): one benchmark at a time per host, building outside it. Every
+candidate that passed gets a warm-up call and ``SCREEN_CALLS`` timed warm calls; only a
+candidate whose fastest call is beyond ``PRUNE_RATIO`` times the fastest candidate's slowest is
+pruned. The finalists, every backend's, are then timed in the same interleaved rounds (round
+``r`` runs every candidate in turn, so drift hits them alike), with the host's CPU sampled
+before and during each round. A busy host (other processes' share of the CPU over
+``BUSY_THRESHOLD``, steal over ``STEAL_THRESHOLD``) or a fastest finalist within noise of the
+default is measured again, up to ``MAX_REMEASURES`` times within the budget. Two finalists are
+told apart when their timings' middle halves do not overlap, or when the faster one was faster
+in every interleaved round by at least ``MIN_LEAD`` overall (a paired comparison: drift shifts
+both alike, so a lead held round after round is real even where each engine's own spread is
+wide). The quietest measurement decides: the fastest wins when it is separable from the
+default, otherwise the default is kept; on a host that stayed busy, no candidate with another
+thread policy than the default's wins (contention favours fewer threads; the node that runs the
 engine is not contended so), and one of another runtime wins only by ``BUSY_MIN_LEAD``
-(contention shifts runtimes' thread pools against each other). The figures and the verdict
-land in ``TuningTable.noise``, every candidate in the table with its figures and why it lost.
+(contention shifts runtimes' thread pools against each other). The figures and the verdict land
+in ``TuningTable.noise``, every candidate in the table with its figures and why it lost.
 
 ``options.tuning_budget_s`` bounds the wall-clock time of the search: the first candidate is
 always built; after it, the builds keep back what measuring the candidates that passed will
@@ -49,7 +49,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +61,16 @@ from compiler_worker.backends.base import (
     Candidate,
     build_deadline,
 )
-from compiler_worker.benchmark import CpuSampler, host_lock, sample_host
+from compiler_worker.tuner_measure import (  # noqa: F401 - *_THRESHOLD: public names here too
+    BUSY_THRESHOLD,
+    SCREEN_CALLS,
+    STEAL_THRESHOLD,
+    Choice,
+    Feed,
+    Trial,
+    benchmark_trials,
+    budget_left,
+)
 from compiler_worker.verify import verification_result
 from runtime_agent.executors import Executor, blob_filename, load_executor
 from runtime_agent.executors.base import CustomOpAdapter
@@ -75,42 +84,15 @@ from schemas.errors import (
 )
 from schemas.fingerprint import HardwareFingerprint
 from schemas.jobs import JobStage
-from schemas.manifest import ArtifactManifest, BenchmarkResult, BlobRef, VerificationResult
+from schemas.manifest import ArtifactManifest, BenchmarkResult, BlobRef
 from schemas.options import AccuracyMetric, CompileOptions, Tune
 from schemas.tuning import (
     CandidateOutcome,
     CandidateResult,
-    HostSample,
-    NoiseReport,
-    ThreadPolicy,
     TuningTable,
 )
 
 logger = logging.getLogger(__name__)
-
-Feed = Mapping[str, np.ndarray]
-#: Interleaved benchmark rounds.
-ROUNDS = 5
-#: The fewest timed runs a candidate gets, whatever the budget.
-MIN_ITERATIONS = 5
-
-
-@dataclass
-class Trial:
-    """One candidate on its way through build → verify → benchmark."""
-
-    candidate: Candidate
-    result: CandidateResult
-    built: BuiltEngine | None = None
-    artifact_dir: Path | None = None
-    manifest: ArtifactManifest | None = None
-    executor: Executor | None = None
-    verification: VerificationResult | None = None
-    timings: list[float] = field(default_factory=list)
-    #: The backend that builds it.
-    backend: Backend | None = None
-    #: Seconds per call while it was verified: what measuring it will cost.
-    call_s: float = 0.0
 
 
 @dataclass
@@ -147,10 +129,6 @@ def _custom_ops_of(peer: Backend, custom_ops: CustomOpAdapter | None,
         return PeerCustomOps(skip=f"the model has custom ops, and no implementation of them "
                                   f"was prepared for the {peer.name} backend")
     return found
-
-
-def _budget_left(started: float, budget_s: float) -> float:
-    return budget_s - (time.perf_counter() - started)
 
 
 def _load(trial: Trial, root: Path,
@@ -200,261 +178,6 @@ def _judge(trial: Trial, options: CompileOptions, feeds: Sequence[Feed],
         trial.result.reason = (f"{gate.metric.value} {figure:.4g} misses the gate "
                                f"({'<=' if gate.metric is AccuracyMetric.MAX_ABS else '>='} "
                                f"{gate.threshold:g})")
-
-
-#: Timed warm calls every candidate gets before any is pruned: one slow call (a page fault,
-#: a neighbour's burst) must not remove a candidate for good.
-SCREEN_CALLS = 3
-#: A candidate is pruned when even its fastest warm call takes more than this many times the
-#: slowest warm call of the fastest candidate: no round of noise closes such a gap, and it
-#: would eat the budget.
-PRUNE_RATIO = 3.0
-#: Above this share of the host's CPU spent by other processes, or this share stolen by the
-#: hypervisor, a measurement counts as taken on a busy host.
-BUSY_THRESHOLD = 0.25
-STEAL_THRESHOLD = 0.05
-#: Measurements after the first, when the host was busy or the finalists within noise.
-MAX_REMEASURES = 2
-#: A finalist faster than another in every interleaved round leads it beyond noise only from
-#: this many rounds (the chance that an equal engine wins them all halves with each round) ...
-MIN_PAIRED_ROUNDS = 5
-#: ... and by at least this share of the slower one's median: a smaller lead is not worth
-#: leaving the default for (nodes and builds differ by as much).
-MIN_LEAD = 0.02
-#: Seconds the host is sampled, idle, before each measurement.
-HOST_SAMPLE_S = 0.1
-#: Shorter windows hold too few of the kernel's CPU-time ticks to say anything (a round of a
-#: tiny model lasts under a millisecond): they are recorded, and the whole measurement's
-#: window speaks for them.
-MIN_SAMPLE_S = 0.05
-
-
-def _thread_policy(trial: Trial) -> str:
-    config = trial.candidate.config
-    if "intra_op_num_threads" in config:
-        return f"threads={config['intra_op_num_threads']}"
-    return str(config.get("thread_policy", ThreadPolicy.DEFAULT.value))
-
-
-#: On a host that stayed busy, how far a finalist of another runtime, at its own default
-#: threads, must lead the default to win. Each runtime's thread pool meets contention its own
-#: way (onnxruntime's workers spin, OpenVINO's yield), which shifts their speeds against each
-#: other by more than the quiet difference between two fp32 engines; a reduced-precision
-#: engine's lead is larger than that shift. ``bench/tuning_under_load.py`` shows both.
-BUSY_MIN_LEAD = 1.5
-
-
-def _eligible_when_busy(trial: Trial, default: Trial, measurement: _Measurement) -> bool:
-    """Whether ``trial`` may beat ``default`` when the host stayed busy: the same runtime at
-    the same thread policy, or another runtime at its default threads leading by
-    ``BUSY_MIN_LEAD``. Another thread count never may: contention favours fewer threads."""
-    if trial.backend is default.backend:
-        return _thread_policy(trial) == _thread_policy(default)
-    return (_thread_policy(trial) == ThreadPolicy.DEFAULT.value
-            and measurement.p50(default) >= BUSY_MIN_LEAD * measurement.p50(trial))
-
-
-def _screen(trials: list[Trial], feed: Feed, protected: Trial | None = None) -> list[Trial]:
-    """Warm every trial up (one untimed call), then time ``SCREEN_CALLS`` calls of each,
-    interleaved; return those worth measuring. A trial is pruned only when its fastest warm
-    call is beyond ``PRUNE_RATIO`` times the slowest warm call of the fastest trial: a margin
-    beyond the spread both showed. ``protected`` (the default) is never pruned."""
-    for trial in trials:
-        assert trial.executor is not None
-        trial.executor.run(feed)
-        trial.timings.clear()
-    for _ in range(SCREEN_CALLS):
-        for trial in trials:
-            t0 = time.perf_counter()
-            trial.executor.run(feed)  # type: ignore[union-attr]
-            trial.timings.append((time.perf_counter() - t0) * 1000.0)
-    fastest = min(trials, key=lambda t: float(np.median(t.timings)))
-    bar = max(fastest.timings)
-    kept = []
-    for trial in trials:
-        if trial is not protected and min(trial.timings) > PRUNE_RATIO * bar:
-            trial.result.p50_ms = float(np.median(trial.timings))
-            trial.result.reason = (
-                f"pruned after {len(trial.timings)} warm calls: its fastest took "
-                f"{min(trial.timings):.3f} ms, over {PRUNE_RATIO:g}x the slowest warm call "
-                f"({bar:.3f} ms) of {fastest.result.name}")
-            continue
-        kept.append(trial)
-    return kept
-
-
-@dataclass
-class _Measurement:
-    """One interleaved measurement of the finalists: timings per trial, the host's samples."""
-
-    index: int
-    timings: dict[int, list[float]]
-    samples: list[HostSample]
-    seconds: float
-    #: Timed calls of each trial per round, in order (the rounds of ``timings``).
-    per_round: list[int] = field(default_factory=list)
-
-    @property
-    def busy(self) -> float:
-        return max((s.busy for s in self.samples if s.seconds >= MIN_SAMPLE_S), default=0.0)
-
-    @property
-    def steal(self) -> float:
-        return max((s.steal for s in self.samples if s.seconds >= MIN_SAMPLE_S), default=0.0)
-
-    @property
-    def quiet(self) -> bool:
-        return self.busy <= BUSY_THRESHOLD and self.steal <= STEAL_THRESHOLD
-
-    def p50(self, trial: Trial) -> float:
-        return float(np.percentile(self.timings[id(trial)], 50))
-
-    def half_iqr(self, trial: Trial) -> float:
-        q25, q75 = np.percentile(self.timings[id(trial)], [25, 75])
-        return float(q75 - q25) / 2.0
-
-    def spread(self, trial: Trial) -> float:
-        p50 = self.p50(trial)
-        return 2.0 * self.half_iqr(trial) / p50 if p50 > 0 else 0.0
-
-    def round_medians(self, trial: Trial) -> list[float]:
-        """The median of each round's calls of ``trial``."""
-        medians, start, own = [], 0, self.timings[id(trial)]
-        for count in self.per_round:
-            if count:
-                medians.append(float(np.median(own[start:start + count])))
-            start += count
-        return medians
-
-    def separable(self, fast: Trial, slow: Trial) -> bool:
-        """Whether ``fast`` leads ``slow`` beyond noise: their middle halves do not overlap,
-        or ``fast`` was faster in each of at least ``MIN_PAIRED_ROUNDS`` interleaved rounds
-        and leads by ``MIN_LEAD`` of ``slow``'s median overall."""
-        lead = self.p50(slow) - self.p50(fast)
-        if lead > self.half_iqr(fast) + self.half_iqr(slow):
-            return True
-        fast_rounds, slow_rounds = self.round_medians(fast), self.round_medians(slow)
-        return (len(fast_rounds) >= MIN_PAIRED_ROUNDS and len(fast_rounds) == len(slow_rounds)
-                and all(f < s for f, s in zip(fast_rounds, slow_rounds, strict=True))
-                and lead >= MIN_LEAD * self.p50(slow))
-
-
-def _measure(trials: list[Trial], feed: Feed, iterations: int, index: int) -> _Measurement:
-    """Sample the idle host, then time ``iterations`` calls of every trial in interleaved
-    rounds (round ``r`` runs every trial in turn, starting ``r`` trials later, so no trial
-    always follows the same one), sampling the host during each round."""
-    started = time.perf_counter()
-    before = sample_host(HOST_SAMPLE_S)
-    samples = [HostSample(measurement=index, phase="before", seconds=before.seconds,
-                          busy=before.busy, steal=before.steal, loadavg=before.loadavg)]
-    timings: dict[int, list[float]] = {id(t): [] for t in trials}
-    rounds = min(ROUNDS, iterations)
-    per_round = [iterations // rounds + (1 if r < iterations % rounds else 0)
-                 for r in range(rounds)]
-    sampler, whole = CpuSampler(), CpuSampler()
-    whole.start()
-    for number, count in enumerate(per_round):
-        sampler.start()
-        for turn in range(len(trials)):
-            trial = trials[(turn + number) % len(trials)]
-            run, own = trial.executor.run, timings[id(trial)]  # type: ignore[union-attr]
-            for _ in range(count):
-                t0 = time.perf_counter()
-                run(feed)
-                own.append((time.perf_counter() - t0) * 1000.0)
-        share = sampler.stop()
-        samples.append(HostSample(measurement=index, phase="during", round=number,
-                                  seconds=share.seconds, busy=share.busy, steal=share.steal,
-                                  loadavg=share.loadavg))
-    share = whole.stop()
-    samples.append(HostSample(measurement=index, phase="during", seconds=share.seconds,
-                              busy=share.busy, steal=share.steal, loadavg=share.loadavg))
-    return _Measurement(index=index, timings=timings, samples=samples,
-                        seconds=time.perf_counter() - started, per_round=per_round)
-
-
-@dataclass
-class _Choice:
-    winner: Trial
-    measurement: _Measurement
-    noise: NoiseReport
-    rounds: int
-    iterations: int
-
-
-def _benchmark(trials: list[Trial], feed: Feed, options: CompileOptions, started: float, *,
-               default: Trial, lock: Path | None) -> _Choice:
-    """Time the trials that passed and choose the winner, under the host's benchmark lock.
-
-    Screening (``_screen``) prunes only what several warm calls show far slower. The finalists
-    (every backend's) are then timed in the same interleaved rounds, with the host's load and
-    steal sampled before and during each round. A measurement on a busy host, or one whose
-    fastest finalist is within noise of ``default``, is taken again while the budget lasts.
-    The quietest measurement decides: the fastest finalist wins when it is separable from
-    ``default``; otherwise ``default`` is kept, and the verdict says why. On a host that stayed
-    busy, a finalist that differs from the default in its thread policy cannot win: contention
-    favours fewer threads, which a quiet node does not."""
-    wait = max(1.0, _budget_left(started, options.tuning_budget_s))
-    with host_lock(lock, wait_s=wait) as held:
-        finalists = _screen(trials, feed, protected=default)
-        per_round_s = sum(float(np.median(t.timings)) for t in finalists) / 1000.0
-        iterations = options.benchmark_iterations
-        left = _budget_left(started, options.tuning_budget_s)
-        if per_round_s > 0 and iterations * per_round_s > left:
-            iterations = max(MIN_ITERATIONS, int(left / per_round_s))
-        measurements = [_measure(finalists, feed, iterations, 0)]
-        while len(measurements) <= MAX_REMEASURES:
-            last = measurements[-1]
-            fastest = min(finalists, key=last.p50)
-            if len(finalists) == 1 or (
-                    last.quiet and (fastest is default or last.separable(fastest, default))):
-                break  # nothing to choose between, or a clear choice
-            if _budget_left(started, options.tuning_budget_s) < last.seconds:
-                break
-            logger.info("re-measuring: host busy %.2f, steal %.2f, %s within noise of %s",
-                        last.busy, last.steal, fastest.result.name, default.result.name)
-            measurements.append(_measure(finalists, feed, iterations, len(measurements)))
-    used = min(measurements, key=lambda m: (not m.quiet, m.busy + m.steal))
-    by_speed = sorted(finalists, key=used.p50)
-    eligible = by_speed if used.quiet else [
-        t for t in by_speed if t is default or _eligible_when_busy(t, default, used)]
-    fastest = eligible[0] if eligible else default
-    host = (f"host busy {used.busy:.2f} / steal {used.steal:.2f} (thresholds "
-            f"{BUSY_THRESHOLD:g} / {STEAL_THRESHOLD:g})")
-    if default not in finalists:
-        winner, verdict = by_speed[0], f"fastest finalist; {host}"
-    elif fastest is default:
-        winner, verdict = default, f"the default is the fastest finalist; {host}"
-    elif used.separable(fastest, default):
-        winner = fastest
-        rounds = used.round_medians(fastest), used.round_medians(default)
-        verdict = (f"{fastest.result.name} leads the default {default.result.name} beyond noise "
-                   f"({used.p50(fastest):.3f} against {used.p50(default):.3f} ms; faster in "
-                   f"{sum(f < d for f, d in zip(*rounds, strict=True))} of {len(rounds[0])} "
-                   f"rounds); {host}")
-    else:
-        winner = default
-        verdict = (f"kept the default {default.result.name}: {fastest.result.name} "
-                   f"({used.p50(fastest):.3f} ms) is within noise of it "
-                   f"({used.p50(default):.3f} ms); {host}")
-    if not used.quiet:
-        verdict += (f"; the host stayed busy through {len(measurements)} measurement(s), so "
-                    f"no finalist with another thread policy than the default's could win, "
-                    f"nor one of another runtime leading by less than {BUSY_MIN_LEAD:g}x")
-    runner_up = next((t for t in by_speed if t is not by_speed[0]), None)
-    noise = NoiseReport(
-        cpus=os.cpu_count() or 0, lock=str(held.path), lock_wait_s=held.waited_s,
-        lock_held=held.held, busy_threshold=BUSY_THRESHOLD, steal_threshold=STEAL_THRESHOLD,
-        samples=[s for m in measurements for s in m.samples], measurements=len(measurements),
-        remeasures=len(measurements) - 1, used_measurement=used.index,
-        spread={t.result.name: used.spread(t) for t in finalists},
-        separable=runner_up is None or used.separable(by_speed[0], runner_up),
-        verdict=verdict + ("" if held.held else f"; measured without the host lock: {held.why}"),
-    )
-    for trial in finalists:
-        trial.timings = list(used.timings[id(trial)])
-    return _Choice(winner=winner, measurement=used, noise=noise,
-                   rounds=min(ROUNDS, iterations), iterations=iterations)
 
 
 def _fail(trials: list[Trial], options: CompileOptions, table: TuningTable) -> KilnError:
@@ -596,7 +319,7 @@ def tune(
         # What this build may take: the budget left, less the measurement's reserve once a
         # candidate passed. The first build is never bounded (without one engine there is
         # nothing to serve); a build that comes in rounds stops at its deadline.
-        allowed = (max(0.0, _budget_left(started, options.tuning_budget_s))
+        allowed = (max(0.0, budget_left(started, options.tuning_budget_s))
                    if any(t.result.build_s is not None for t in trials[:-1]) else None)
         if built_any:
             # The builds leave the measurement what it needs to time every candidate that
@@ -605,7 +328,7 @@ def tune(
             # when its backend's builds so far say it would not finish in what is left.
             reserve = (SCREEN_CALLS + 1 + options.benchmark_iterations) * sum(
                 t.call_s for t in trials if t.executor is not None)
-            left = _budget_left(started, options.tuning_budget_s) - reserve
+            left = budget_left(started, options.tuning_budget_s) - reserve
             took = [t.result.build_s for t in trials
                     if t.backend is owner and t.result.build_s is not None
                     and t.built is not None]
@@ -668,12 +391,12 @@ def tune(
         logger.info("candidate %s: %s %s", candidate.name, result.outcome.value, result.reason)
     passing = [t for t in trials if t.executor is not None
                and t.result.outcome is CandidateOutcome.SLOWER]
-    choice: _Choice | None = None
+    choice: Choice | None = None
     if passing:
         stage(JobStage.BENCHMARKING)
         # The default: the first candidate that passed, in the order offered (the job's own
         # backend's default first); it is kept when noise cannot separate the finalists.
-        choice = _benchmark(list(passing), feeds[0], options, started, default=passing[0],
+        choice = benchmark_trials(list(passing), feeds[0], options, started, default=passing[0],
                             lock=benchmark_lock)
         for trial in passing:
             if not trial.result.reason:  # measured in the rounds (not pruned)

@@ -17,12 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from compiler_worker import backends
-from compiler_worker import tuner as tuner_module
+from compiler_worker import backends, tuner_measure
 from compiler_worker.backends.base import Candidate
 from compiler_worker.benchmark import ensure_lock_file, host_lock, sample_host
 from compiler_worker.pipeline import compile_model, plan_build
-from compiler_worker.tuner import Trial
+from compiler_worker.tuner_measure import Trial
 from kiln.examples import mlp
 from runtime_agent.executors.base import physical_cores
 from runtime_agent.executors.onnxruntime import session_options
@@ -162,7 +161,7 @@ def busy_host() -> Iterator[None]:
 
 def test_a_busy_host_is_measured_again_and_fewer_threads_cannot_win_there(
         tmp_path: Path, fingerprint: HardwareFingerprint, busy_host: None) -> None:
-    assert sample_host(0.3).busy > tuner_module.BUSY_THRESHOLD
+    assert sample_host(0.3).busy > tuner_measure.BUSY_THRESHOLD
     result = compile_model(MODEL, CompileOptions(**QUICK), fingerprint=fingerprint,
                            workdir=tmp_path, benchmark_lock=tmp_path / "bench.lock")
     table = result.manifest.tuning
@@ -203,7 +202,7 @@ def test_one_slow_call_does_not_prune_a_candidate() -> None:
     steady = _trial("steady", _Scripted([0.001]))
     # Beyond 3x even the slow-start's slow call, should its median be the fastest.
     hopeless = _trial("hopeless", _Scripted([0.1]))
-    kept = tuner_module._screen([steady, slow_start, hopeless], FEED, protected=steady)
+    kept = tuner_measure._screen([steady, slow_start, hopeless], FEED, protected=steady)
     assert slow_start in kept and steady in kept
     assert hopeless not in kept and "pruned after 3 warm calls" in hopeless.result.reason
 
@@ -215,7 +214,7 @@ def test_finalists_within_noise_of_the_default_keep_the_default(tmp_path: Path) 
     default = _trial("default", _Scripted([0.002, 0.004, 0.006]))
     challenger = _trial("challenger", _Scripted([0.0016, 0.0064, 0.0036, 0.0044, 0.0024]))
     options = CompileOptions(benchmark_iterations=15, tuning_budget_s=30)
-    choice = tuner_module._benchmark([default, challenger], FEED, options,
+    choice = tuner_measure.benchmark_trials([default, challenger], FEED, options,
                                      time.perf_counter(), default=default,
                                      lock=tmp_path / "bench.lock")
     assert choice.winner is default
@@ -229,7 +228,7 @@ def test_a_lead_held_in_every_round_wins_though_the_spreads_overlap(tmp_path: Pa
     default = _trial("default", _Scripted([0.002, 0.004, 0.006]))
     challenger = _trial("challenger", _Scripted([0.0016, 0.0036, 0.0056]))
     options = CompileOptions(benchmark_iterations=15, tuning_budget_s=30)
-    choice = tuner_module._benchmark([default, challenger], FEED, options,
+    choice = tuner_measure.benchmark_trials([default, challenger], FEED, options,
                                      time.perf_counter(), default=default,
                                      lock=tmp_path / "bench.lock")
     used = choice.measurement
@@ -243,7 +242,7 @@ def _separable(rounds: list[list[float]], other: list[list[float]]) -> bool:
     """Whether timings ``rounds`` (per round) lead ``other``'s beyond noise."""
     fast = _trial("fast", _Scripted([0.0]))
     slow = _trial("slow", _Scripted([0.0]))
-    measurement = tuner_module._Measurement(
+    measurement = tuner_measure._Measurement(
         index=0, samples=[], seconds=0.0, per_round=[len(r) for r in rounds],
         timings={id(fast): [t for r in rounds for t in r],
                  id(slow): [t for r in other for t in r]})
@@ -264,7 +263,7 @@ def test_a_clear_lead_wins_over_the_default(tmp_path: Path) -> None:
     default = _trial("default", _Scripted([0.012]))
     challenger = _trial("challenger", _Scripted([0.001]))
     options = CompileOptions(benchmark_iterations=10, tuning_budget_s=30)
-    choice = tuner_module._benchmark([default, challenger], FEED, options,
+    choice = tuner_measure.benchmark_trials([default, challenger], FEED, options,
                                      time.perf_counter(), default=default,
                                      lock=tmp_path / "bench.lock")
     if choice.measurement.quiet:
@@ -336,7 +335,7 @@ def test_on_a_host_that_stays_busy_fewer_threads_do_not_beat_the_default(
     default = _trial("default", _Scripted([0.003]))
     one_thread = _trial("one-thread", _Scripted([0.001]), thread_policy="one")
     options = CompileOptions(benchmark_iterations=10, tuning_budget_s=30)
-    choice = tuner_module._benchmark([default, one_thread], FEED, options,
+    choice = tuner_measure.benchmark_trials([default, one_thread], FEED, options,
                                      time.perf_counter(), default=default,
                                      lock=tmp_path / "bench.lock")
     assert not choice.measurement.quiet and choice.noise.remeasures >= 1
@@ -356,7 +355,7 @@ def test_on_a_host_that_stays_busy_another_runtime_wins_only_by_a_wide_lead(
     other = _trial("openvino/fp32-latency", _Scripted([0.003]))
     default.backend, other.backend = OnnxRuntimeBackend(), OpenVinoBackend()
     options = CompileOptions(benchmark_iterations=10, tuning_budget_s=30)
-    choice = tuner_module._benchmark([default, other], FEED, options, time.perf_counter(),
+    choice = tuner_measure.benchmark_trials([default, other], FEED, options, time.perf_counter(),
                                      default=default, lock=tmp_path / "bench.lock")
     assert not choice.measurement.quiet and "stayed busy" in choice.noise.verdict
     assert choice.winner is (other if wins else default), choice.noise.verdict
