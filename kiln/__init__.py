@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-import importlib
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -60,9 +60,31 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'kiln' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_load(module), name)
     globals()[name] = value
     return value
+
+
+def _load(module: str) -> ModuleType:
+    """The module of ``_EXPORTS`` named ``module``, imported statically (an import by a name
+    string would import whatever it was handed)."""
+    if module == "kiln.client":
+        from kiln import client as loaded
+    elif module == "schemas.manifest":
+        from schemas import manifest as loaded
+    elif module == "schemas.jobs":
+        from schemas import jobs as loaded
+    elif module == "schemas.options":
+        from schemas import options as loaded
+    elif module == "schemas.models":
+        from schemas import models as loaded
+    elif module == "schemas.deployments":
+        from schemas import deployments as loaded
+    elif module == "schemas.errors":
+        from schemas import errors as loaded
+    else:
+        raise AttributeError(f"module 'kiln' exports nothing from {module!r}")
+    return loaded
 
 
 def __dir__() -> list[str]:
