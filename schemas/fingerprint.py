@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections.abc import Iterable
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -273,3 +275,36 @@ def context_slug(context_diffs_of: HardwareFingerprint, context: TuningContext) 
     parts += [f.replace("_", "") if f in features else f"no{f.replace('_', '')}"
               for f in sorted(context.depends_on) if (f in features) != (f in built)]
     return "-".join(parts)
+
+
+#: Between a fingerprint key and the tuning context that follows it in a context key.
+CONTEXT_KEY_INFIX = "-t-"
+#: The longest fingerprint key the API accepts (``schemas.agents.FINGERPRINT_KEY_PATTERN``).
+_MAX_KEY_LENGTH = 200
+
+
+def tuning_context_key(fingerprint_key: str, fingerprint: HardwareFingerprint,
+                       tuning_features: Iterable[str]) -> str:
+    """The key of ``fingerprint``'s own tuning for a backend whose key there is
+    ``fingerprint_key`` and whose candidates read ``tuning_features``:
+    ``<key>-t-<core class>-<each of those features this CPU has, sorted>``
+    (``ort-cpu-x86-64-v4-ort1.32-t-c17-64-amxint8-avx512vnni-avxvnni``).
+
+    A function of the fingerprint alone (unlike ``context_slug``, which names differences
+    from one engine's context): every node and every worker of the same kind derive the same
+    key, so a worker consumes the queue of its own and the planner queues a node's tuning
+    under it. A key that would pass the API's length names its features by a digest."""
+    have = {f.lower() for f in fingerprint.cpu.features}
+    features = [f.replace("_", "") for f in sorted(set(tuning_features)) if f in have]
+    context = "-".join([core_class(fingerprint.cpu.cores).replace("+", "plus"), *features])
+    key = f"{fingerprint_key}{CONTEXT_KEY_INFIX}{context}"
+    if len(key) > _MAX_KEY_LENGTH:
+        digest = hashlib.sha256(context.encode()).hexdigest()[:16]
+        key = f"{fingerprint_key}{CONTEXT_KEY_INFIX}{digest}"[:_MAX_KEY_LENGTH]
+    return key
+
+
+def is_context_key_of(key: str, fingerprint_key: str) -> bool:
+    """Whether ``key`` names a tuning context (``tuning_context_key``) of ``fingerprint_key``."""
+    return key.startswith(fingerprint_key + CONTEXT_KEY_INFIX) and len(key) > len(
+        fingerprint_key) + len(CONTEXT_KEY_INFIX)

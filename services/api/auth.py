@@ -4,9 +4,9 @@
 Roles: ``admin`` (everything), ``reader`` (reads models, artifacts, jobs and the fleet: the
 dashboard's viewers), ``worker`` and ``agent`` (read models and artifacts, report state).
 An agent token also names the one agent it speaks for (the ``agent`` claim); a worker token
-names the fingerprint keys it may build (the ``keys`` claim; ``*``: any key, what the
-embedded stack gives its own workers). ``kiln token`` mints tokens; ``kiln token revoke JTI``
-revokes one.
+names the fingerprint keys it may build (the ``keys`` claim, each with its tuning contexts
+``K-t-…``; ``*``: any key, what the embedded stack gives its own workers). ``kiln token``
+mints tokens; ``kiln token revoke JTI`` revokes one.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 from schemas.agents import AGENT_NAME_PATTERN
 from schemas.errors import Forbidden, InvalidRequest, Unauthenticated
+from schemas.fingerprint import is_context_key_of
 
 ISSUER = "kiln"
 #: Lifetime of a token minted without one given (``KILN_TOKEN_TTL_S``'s default), seconds.
@@ -187,9 +188,12 @@ def check_agent(principal: Principal, name: str) -> None:
 
 
 def check_worker_key(principal: Principal, key: str) -> None:
-    """A worker token acts only on jobs for the fingerprint keys it names; admins on all."""
-    if principal.role is Role.WORKER and ANY_KEY not in (principal.keys or []) \
-            and key not in (principal.keys or []):
+    """A worker token acts only on jobs for the fingerprint keys it names, and the tuning
+    contexts of those keys (``K-t-…``: the same hardware class, tuned for one node's context);
+    admins on all."""
+    keys = principal.keys or []
+    if principal.role is Role.WORKER and ANY_KEY not in keys and key not in keys \
+            and not any(is_context_key_of(key, k) for k in keys):
         raise Forbidden(f"this worker token builds {principal.keys}, not {key!r}; mint one "
                         f"with `kiln token create --role worker --key {key}`",
                         fingerprint_key=key, token_keys=principal.keys)
