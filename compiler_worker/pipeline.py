@@ -227,7 +227,9 @@ def plan_build(
     (``onnx``, ``torch-export``): only a backend that takes it.
     """
     backend = backends.backend_for(fingerprint, options, key, model_format=model_format)
-    own_key = backend.fingerprint_key(fingerprint)
+    # A job queued under this host's tuning-context key publishes under that key.
+    own_key = key if key == backend.context_key(fingerprint) else backend.fingerprint_key(
+        fingerprint)
     peers = peers_for(backend, fingerprint, options, model_format or "onnx")
     toolchains = {b.name: b.toolchain() for b in (backend, *peers)}
     built_by = toolchains[backend.name]
@@ -768,7 +770,7 @@ def _tune_and_finish(
         calibration_note=calibration_note, custom_ops=used.adapter, plugins=used.loaded,
         reuse=reuse, on_stage=stages.enter, peers=plan.peers, model_for=model_for,
         peer_custom_ops=_peer_custom_ops(used, plan.peers, workdir),
-        benchmark_lock=benchmark_lock,
+        benchmark_lock=benchmark_lock, fingerprint_key=plan.fingerprint_key,
     )
     stages.enter(JobStage.BENCHMARKING)
     iterations = min(options.benchmark_iterations, 20)

@@ -254,6 +254,7 @@ def tune(
     model_for: Callable[[Backend], Path] | None = None,
     peer_custom_ops: Mapping[str, PeerCustomOps] | None = None,
     benchmark_lock: Path | None = None,
+    fingerprint_key: str | None = None,
 ) -> TuningOutcome:
     """Build, verify and benchmark the candidates of ``backend`` and of its ``peers`` (other
     backends of this hardware that take the model) for ``options``; the fastest that passes
@@ -267,6 +268,8 @@ def tune(
     name, what that peer registers and loads (its own adapter, e.g. the bundle's OpenVINO
     extension), or why it cannot: then its candidates are skipped with that reason.
     ``benchmark_lock``: the host-wide lock file timing waits for (default: the host's).
+    ``fingerprint_key``: the key the table is recorded under (the job's, which may be this
+    host's tuning-context key; default: ``backend``'s key here).
     Raises ``VerificationFailed``, ``AccuracyGateFailed`` or ``NoViableCandidate`` (each with
     the table) when no candidate passes. ``on_stage`` hears BUILDING, VERIFYING and
     BENCHMARKING as each first begins."""
@@ -419,7 +422,8 @@ def tune(
         fresh = {c.name: c for c in candidates_table}
         candidates_table = [fresh.get(c.name, c) for c in reuse.candidates]  # type: ignore[union-attr]
     table = TuningTable(
-        fingerprint_key=backend.fingerprint_key(fingerprint), toolchain=toolchain,
+        fingerprint_key=fingerprint_key or backend.fingerprint_key(fingerprint),
+        toolchain=toolchain,
         winner=winner.result.name if winner else None, inputs=inputs,
         budget_s=options.tuning_budget_s, elapsed_s=time.perf_counter() - started,
         rounds=choice.rounds if choice else 0, reused=reused, candidates=candidates_table,

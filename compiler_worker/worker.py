@@ -33,9 +33,15 @@ logger = logging.getLogger(__name__)
 
 def fingerprint_keys(fingerprint: HardwareFingerprint) -> list[str]:
     """Every key this machine can build: one per registered backend that supports it and
-    takes a model format the pipeline hands out (``PIPELINE_MODEL_FORMATS``)."""
-    return [b.fingerprint_key(fingerprint) for b in available()
-            if b.supports(fingerprint) and b.model_formats & PIPELINE_MODEL_FORMATS]
+    takes a model format the pipeline hands out (``PIPELINE_MODEL_FORMATS``), each followed
+    by its own tuning context's key (``Backend.context_key``), under which the control
+    plane queues the tuning of a node like this one."""
+    keys: list[str] = []
+    for backend in available():
+        if backend.supports(fingerprint) and backend.model_formats & PIPELINE_MODEL_FORMATS:
+            keys += [k for k in (backend.fingerprint_key(fingerprint),
+                                 backend.context_key(fingerprint)) if k not in keys]
+    return keys
 
 
 def model_formats(fingerprint: HardwareFingerprint) -> dict[str, list[str]]:

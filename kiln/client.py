@@ -307,9 +307,10 @@ class KilnClient:
         names no key targets them; with ``model_format``, only those whose workers build models
         of that format. The key of a backend whose candidates race in another backend's job
         on the worker (``Executor.joins_as_peer``: OpenVINO beside onnxruntime) is left out
-        unless ``backends`` names it, so that a request does not build twice."""
+        unless ``backends`` names it, so that a request does not build twice; so is a
+        worker's tuning-context key (``K-t-…``), which only a node of that context needs."""
         from runtime_agent.executors import node_fingerprint_keys, peer_backends
-        from schemas.fingerprint import HardwareFingerprint
+        from schemas.fingerprint import HardwareFingerprint, is_context_key_of
 
         skip = peer_backends() - set(backends)
         keys = set()
@@ -322,8 +323,10 @@ class KilnClient:
                 derived = node_fingerprint_keys(
                     HardwareFingerprint.model_validate(worker["fingerprint"]))
                 peers = {key for backend, key in derived.items() if backend in skip}
-            keys |= {k for k in worker["fingerprint_keys"] if k not in peers and (
-                model_format is None or k not in formats or model_format in formats[k])}
+            own = worker["fingerprint_keys"]
+            keys |= {k for k in own if k not in peers and (
+                model_format is None or k not in formats or model_format in formats[k])
+                and not any(is_context_key_of(k, plain) for plain in own)}
         return sorted(keys)
 
     def health(self) -> dict[str, Any]:

@@ -96,9 +96,9 @@ def backend_for(fingerprint: HardwareFingerprint, options: CompileOptions,
         if not backend.supports(fingerprint):
             reasons[name] = "does not support this hardware fingerprint"
             continue
-        if key is not None and backend.fingerprint_key(fingerprint) != key:
-            reasons[name] = (f"builds {backend.fingerprint_key(fingerprint)!r} here, not "
-                             f"{key!r}")
+        if key is not None and not backend.builds_key(fingerprint, key):
+            reasons[name] = (f"builds {backend.fingerprint_key(fingerprint)!r} (and "
+                             f"{backend.context_key(fingerprint)!r}) here, not {key!r}")
             continue
         try:
             backend.check_options(options)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from runtime_agent.executors.base import CustomOpAdapter, Executor
 from runtime_agent.fingerprint import major_minor, slug, version_tuple  # noqa: F401 (re-exported)
 from schemas.errors import BackendUnavailable, CompileError, InvalidRequest
-from schemas.fingerprint import HardwareFingerprint
+from schemas.fingerprint import HardwareFingerprint, tuning_context_key
 from schemas.manifest import TensorSpec
 from schemas.options import CompileOptions
 
@@ -154,6 +154,18 @@ class Backend(ABC):
     def fingerprint_key(self, fingerprint: HardwareFingerprint) -> str:
         """The key that decides engine compatibility for this backend (``[a-z0-9.-]``)."""
         return self.executor.fingerprint_key(fingerprint)
+
+    def context_key(self, fingerprint: HardwareFingerprint) -> str:
+        """The key of an engine tuned for ``fingerprint``'s own context (its core class and
+        the executor's ``tuning_features`` it has): a node that differs from an engine's
+        build host in those gets its own tuning queued under it."""
+        return tuning_context_key(self.fingerprint_key(fingerprint), fingerprint,
+                                  self.executor.tuning_features)
+
+    def builds_key(self, fingerprint: HardwareFingerprint, key: str) -> bool:
+        """Whether a job queued for ``key`` is this backend's on ``fingerprint``: its plain
+        fingerprint key, or its own tuning context's."""
+        return key in (self.fingerprint_key(fingerprint), self.context_key(fingerprint))
 
     def compatible(
         self,

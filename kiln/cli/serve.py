@@ -148,7 +148,8 @@ def agent(
     fingerprint_file: Annotated[Path | None, typer.Option(exists=True)] = None,
     build: Annotated[bool, typer.Option(
         "--build", help="also run a compiler worker for this node's own hardware (build on "
-        "device; needs KILN_WORKER_TOKEN, a worker token for this node's keys, and "
+        "device: its fingerprint keys and its own tuning-context keys, KEY-t-...; needs "
+        "KILN_WORKER_TOKEN, a worker token for this node's keys, and "
         "KILN_BROKER_URL, the queue it consumes; it reaches the control plane over HTTP "
         "only, at --api unless KILN_WORKER_API_URL says otherwise, and holds no database "
         "URL, store credential or signing key)")] = False,
@@ -195,9 +196,11 @@ def agent(
 
 
 def _start_builder(agent_name: str, fingerprint_file: Path | None, api_url: str):
-    """A ``kiln worker`` child process building for this node's own fingerprint keys; it
-    publishes through the agent's control plane unless KILN_WORKER_API_URL says otherwise,
-    with its own worker token (KILN_WORKER_TOKEN) and none of the agent's secrets."""
+    """A ``kiln worker`` child process building for this node's own fingerprint keys and, beside
+    each, its own tuning context's (``compiler_worker.worker.fingerprint_keys``: the node
+    builds the tuning the control plane queues for it). It publishes through the agent's
+    control plane unless KILN_WORKER_API_URL says otherwise, with its own worker token
+    (KILN_WORKER_TOKEN) and none of the agent's secrets."""
     import subprocess
 
     from kiln.stack import worker_environment

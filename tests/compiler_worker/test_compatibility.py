@@ -154,8 +154,10 @@ def test_portable_keys_are_what_portable_builds_record() -> None:
     trt = TensorRTBackend()
     assert trt.portable_key(h100) == "trt-ampere-plus-x86-64-trt10.3-vc"
     assert trt.portable_key(TABLE["epyc-7742-zen2"].fingerprint) is None
-    assert fingerprint_keys(h100) == ["trt-sm90-nvidia-h100-80gb-hbm3-trt10.3",
-                                      "ort-cpu-x86-64-v4-ort1.20"]
+    # Each key is followed by its own tuning context's (``Backend.context_key``).
+    keys = fingerprint_keys(h100)
+    assert keys[::2] == ["trt-sm90-nvidia-h100-80gb-hbm3-trt10.3", "ort-cpu-x86-64-v4-ort1.20"]
+    assert keys[1::2] == [trt.context_key(h100), ort.context_key(h100)]
     assert portable_keys(h100) == {
         "trt-sm90-nvidia-h100-80gb-hbm3-trt10.3": "trt-ampere-plus-x86-64-trt10.3-vc",
         "ort-cpu-x86-64-v4-ort1.20": "ort-cpu-x86-64-portable-ort1.20"}

@@ -38,3 +38,13 @@ def test_the_openvino_key_is_a_target_only_when_named() -> None:
         "fingerprint": FINGERPRINT.model_dump(mode="json")}])
     assert client.live_fingerprint_keys("onnx") == [ort]
     assert client.live_fingerprint_keys("onnx", backends=["openvino"]) == sorted([ort, ov])
+
+
+def test_a_workers_tuning_context_key_is_no_default_target() -> None:
+    """A worker also consumes its own tuning context's key (``K-t-…``): only a node of that
+    context needs an engine there, so a request naming no key does not build one."""
+    ort = node_fingerprint_keys(FINGERPRINT)["onnxruntime"]
+    client = ListedWorkers([{
+        "alive": True, "fingerprint_keys": [ort, f"{ort}-t-c1-4"],
+        "model_formats": {ort: ["onnx"]}, "fingerprint": FINGERPRINT.model_dump(mode="json")}])
+    assert client.live_fingerprint_keys("onnx") == [ort]
