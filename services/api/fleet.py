@@ -43,17 +43,16 @@ from schemas.agents import AgentInfo, DesiredModel, DesiredState
 from schemas.deployments import Deployment
 from schemas.fingerprint import (
     HardwareFingerprint,
-    TuningContext,
     context_differences,
-    context_slug,
     unmet_requirements,
 )
 from schemas.fleet import DeploymentCoverage, FleetKey, FleetSummary
+from schemas.manifest import ArtifactSummary
 from schemas.options import Portability
 from schemas.rollouts import Rollout
 from services.api.engine_choice import Usable, choose_engine, nothing_left
 from services.api.enqueue import enqueue_jobs
-from services.api.keys import backends_planned_only_when_named
+from services.api.keys import backends_planned_only_when_named, node_context_keys
 from services.db import repo
 from services.db.tables import utcnow
 
@@ -328,18 +327,30 @@ class Planner:
             backend=backend, fingerprint_key=key, batching=deployment.batching,
         )
         keys = {b: k for b, k in pairs}
-        # One query for every backend's exact engine, one for the newest jobs of those without.
-        exact = repo.find_artifacts(self.session, model_id=model_id, options_digest=digest,
-                                    fingerprint_keys=list(keys.values()))
+        fingerprint = agent.fingerprint()
+        # Each backend's key of the node's own tuning context (a function of its fingerprint
+        # alone, which workers of that context advertise too).
+        own = node_context_keys(fingerprint, keys) if fingerprint is not None else {}
+        # One query for every backend's exact engine (its own tuning's, and the plain key's),
+        # one for the newest jobs of those without.
+        found = repo.find_artifacts(self.session, model_id=model_id, options_digest=digest,
+                                    fingerprint_keys=[*keys.values(), *own.values()])
         refused = dict(agent.refused)
+        exact: dict[str, ArtifactSummary] = {}
+        for b, k in pairs:
+            mine = found.get(own.get(b, ""))
+            # The node's own tuning is served first; else the plain key's engine.
+            if mine is not None and mine.id not in refused:
+                exact[k] = mine
+            elif k in found:
+                exact[k] = found[k]
         #: This model's artifacts looked at (the refusals of others are not this answer's).
         seen = {a.id for a in exact.values()}
         jobs: dict[str, CompileJob] = {}
         # An engine is served only where its signed requirements hold (one that lacks them is
         # refused here as the agent would refuse it); where they hold but the node differs in
         # what decided the winner, it is served as compatible. Either way the node's own
-        # tuning is queued, under a key naming its context (the same key would be a cache hit).
-        fingerprint = agent.fingerprint()
+        # tuning is queued under its context key (the plain key would be a cache hit).
         manifests = ({a.id: m for a, m in repo.model_manifests(self.session, model_id=model_id)}
                      if fingerprint is not None else {})
         tiers: dict[str, str] = {}
@@ -351,9 +362,8 @@ class Planner:
             unmet = unmet_requirements(manifest.requirements, fingerprint, k)
             diffs = (context_differences(manifest.tuning_context, fingerprint)
                      if manifest.tuning_context is not None else [])
-            if unmet or diffs:
-                context = manifest.tuning_context or TuningContext()
-                retune = f"{k}-{context_slug(fingerprint, context)}"[:200]
+            if (unmet or diffs) and exact[k].fingerprint_key != own[b]:
+                retune = own[b]
                 jobs[b] = self.build(model_id, deployment.options, retune)
                 logger.info("agent %s: artifact %s %s; queued its own tuning for %s",
                             agent.name, exact[k].id, f"requires {unmet}" if unmet
@@ -369,7 +379,7 @@ class Planner:
             if k in exact and not current.get(exact[k].id, True):
                 # A newer version of a plugin it was built with is registered: the node keeps
                 # this engine while its successor builds, and swaps when that one lands.
-                jobs[b] = self.build(model_id, deployment.options, k,
+                jobs[b] = self.build(model_id, deployment.options, exact[k].fingerprint_key,
                                      newer_than=exact[k].created_at)
         missing = [(b, k) for b, k in pairs if k not in exact]
         latest = repo.latest_jobs(self.session, model_id=model_id, options_digest=digest,
@@ -410,7 +420,9 @@ class Planner:
         chosen, choice = picked
         backend = chosen.artifact.backend
         update: dict[str, object] = {
-            "backend": backend, "fingerprint_key": keys.get(backend, key),
+            # An exact engine may be the node's own tuning, under its context key.
+            "backend": backend, "fingerprint_key": chosen.artifact.fingerprint_key
+            if chosen.tier == "exact" else keys.get(backend, key),
             "artifact_id": chosen.artifact.id, "tier": chosen.tier, "choice": choice}
         job = jobs.get(backend)
         if job is not None:  # its own engine (or its successor) is on the way

@@ -9,10 +9,19 @@ toolchain is imported with them).
 
 from __future__ import annotations
 
-from runtime_agent.executors import node_compatibility_keys, node_fingerprint_keys, peer_backends
+from runtime_agent.executors import (
+    get,
+    node_compatibility_keys,
+    node_fingerprint_keys,
+    peer_backends,
+)
 from schemas.agents import AgentRegistration
 from schemas.errors import ErrorCode, InvalidRequest, KilnError
-from schemas.fingerprint import fingerprint_inconsistencies
+from schemas.fingerprint import (
+    HardwareFingerprint,
+    fingerprint_inconsistencies,
+    tuning_context_key,
+)
 
 
 class FingerprintInconsistent(KilnError):
@@ -59,3 +68,12 @@ def backends_planned_only_when_named() -> set[str]:
     """Backends whose candidates race in another backend's job on the worker
     (``Executor.joins_as_peer``): a deployment that names no backend is not planned for them."""
     return peer_backends()
+
+
+def node_context_keys(fingerprint: HardwareFingerprint,
+                      fingerprint_keys: dict[str, str]) -> dict[str, str]:
+    """Backend → the key of this node's own tuning for it (``tuning_context_key`` with the
+    executor's ``tuning_features``): what a worker of the same context advertises, and
+    where the planner looks for, and queues, the node's own engine."""
+    return {backend: tuning_context_key(key, fingerprint, get(backend).tuning_features)
+            for backend, key in fingerprint_keys.items()}

@@ -20,7 +20,13 @@ from runtime_agent.executors import (
     node_fingerprint_keys,
 )
 from runtime_agent.fingerprint import declare_variant
-from schemas.fingerprint import CpuInfo, EngineRequirements, HardwareFingerprint, TuningContext
+from schemas.fingerprint import (
+    CpuInfo,
+    EngineRequirements,
+    HardwareFingerprint,
+    TuningContext,
+    tuning_context_key,
+)
 from services.db import make_engine, make_session_factory, repo, session_scope
 from tests.services.api.test_api import upload
 from tests.services.api.test_fleet import deploy, settings, signed_state  # noqa: F401
@@ -95,7 +101,56 @@ def test_variant_matrix(api, settings, engine):  # noqa: F811
         assert (model.get("artifact_id") == artifact.id) == (tier != "none"), (variant, model)
         choice = (model.get("choice") or {}).get("message", "")
         assert ("requirements unmet" in choice) == refused, (variant, choice)
-        key = node_fingerprint_keys(fingerprint).get("onnxruntime")
         jobs = {j["fingerprint_key"] for j in api.get("/v1/compile-jobs").json()}
         new, before = jobs - before, jobs
-        assert any(j.startswith(f"{key}-t-") for j in new) == retune, (variant, new)
+        # Its own tuning is queued under its absolute context key, whatever engine it was
+        # compared with, and nothing else is.
+        assert ({j for j in new if "-t-" in j} == {own_key(fingerprint)}) == retune, (
+            variant, new)
+
+
+def own_key(fingerprint: HardwareFingerprint) -> str:
+    """The node's own tuning-context key for onnxruntime."""
+    return tuning_context_key(OnnxRuntimeExecutor.fingerprint_key(fingerprint), fingerprint,
+                              OnnxRuntimeExecutor.tuning_features)
+
+
+def test_context_key_is_absolute():
+    """The key names the node's core class and the tuning features it has, not its
+    differences from one engine: two engines' comparisons of one node queue one key."""
+    wide = VARIANTS["cores=64"]
+    assert own_key(wide) == f"{KEY}-t-c17-64-amxint8-avx512vnni-avxvnni"
+    assert own_key(VARIANTS["no-vnni"]) == f"{KEY}-t-c1-4-amxint8"
+    assert own_key(declare_variant(HOST, "cores=128")).startswith(f"{KEY}-t-c65plus-")
+    assert own_key(HOST) != own_key(wide)
+
+
+def test_own_tuning_is_served_first(api, settings):  # noqa: F811
+    """A node whose own tuning landed (an artifact under its context key) is served that at
+    ``exact``, with its context key in the signed state, and queues nothing more; the host
+    keeps the plain key's engine."""
+    requirements, context = ENGINES["fp32"]
+    wide = VARIANTS["cores=64"]
+    model_id = upload(api, mlp().SerializeToString()).json()["id"]
+    factory = make_session_factory(make_engine(settings.database_url))
+    with session_scope(factory) as session:
+        plain, _ = repo.record_artifact(session, model_id=model_id, manifest=manifest(
+            model_id, fingerprint_key=KEY).model_copy(update={
+                "build_fingerprint": HOST, "requirements": requirements,
+                "tuning_context": context}))
+        mine, _ = repo.record_artifact(session, model_id=model_id, manifest=manifest(
+            model_id, fingerprint_key=own_key(wide)).model_copy(update={
+                "build_fingerprint": wide,
+                "requirements": OnnxRuntimeExecutor.requirements(
+                    wide, {"optimization_level": 3}, "fp32"),
+                "tuning_context": OnnxRuntimeExecutor.tuning_context(
+                    wide, {}, "fp32", threads_tuned=True)}))
+    assert deploy(api, "matrix", model_id, {"matrix": "yes"}).status_code == 201
+    [model] = _register(api, "wide", wide)["models"]
+    assert (model["tier"], model["artifact_id"], model["fingerprint_key"]) == (
+        "exact", mine.id, own_key(wide)), model
+    [model] = _register(api, "host", HOST)["models"]
+    assert (model["tier"], model["artifact_id"], model["fingerprint_key"]) == (
+        "exact", plain.id, KEY), model
+    assert [j for j in api.get("/v1/compile-jobs").json() if "-t-" in j["fingerprint_key"]] \
+        == []
