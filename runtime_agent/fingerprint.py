@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import platform
-import re
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
@@ -38,6 +37,9 @@ from schemas.fingerprint import (
     HardwareFingerprint,
     isa_class,
 )  # the level rules live in schemas; re-exported here
+from schemas.technologies.base import major_minor as major_minor  # the key text helpers too
+from schemas.technologies.base import slug as slug
+from schemas.technologies.base import version_tuple as version_tuple
 
 logger = logging.getLogger(__name__)
 
@@ -86,31 +88,6 @@ _ARM_PARTS = {  # (implementer, part) -> core name: common server and Jetson cor
     ("0x41", "0xd84"): "Neoverse-V3",
     ("0xc0", "0xac3"): "AmpereOne",
 }
-
-
-def slug(text: str) -> str:
-    """Lower-case ``text`` with every run of characters outside ``[a-z0-9.]`` turned into '-'
-    (the alphabet of fingerprint keys)."""
-    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-.")
-
-
-def major_minor(version: str | None) -> str | None:
-    """``"1.32.0"`` → ``"1.32"``; ``None`` or an unparsable version → ``None``."""
-    if not version:
-        return None
-    match = re.match(r"^(\d+)\.(\d+)", version)
-    return f"{match.group(1)}.{match.group(2)}" if match else None
-
-
-def version_tuple(version: str | None) -> tuple[int, ...]:
-    """Leading numeric components: ``"10.3.0.26"`` → ``(10, 3, 0, 26)``; ``None`` → ``()``."""
-    parts: list[int] = []
-    for piece in (version or "").split("."):
-        match = re.match(r"^\d+", piece)
-        if not match:
-            break
-        parts.append(int(match.group()))
-    return tuple(parts)
 
 
 def normalize_arch(machine: str) -> str:

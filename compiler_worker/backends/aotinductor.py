@@ -71,18 +71,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from compiler_worker.backends.base import Backend, BuiltEngine, Candidate, toolchain_string
-from runtime_agent.executors.aotinductor import (
-    ENGINE_MEDIA_TYPE,
-    X86_LEVEL_ORDER,
-    AOTInductorExecutor,
-    cuda_target,
-    level_index,
-)
+from runtime_agent.executors.aotinductor import ENGINE_MEDIA_TYPE, AOTInductorExecutor
 from runtime_agent.executors.base import CustomOpAdapter
 from runtime_agent.fingerprint import detect_cpu, isa_class, major_minor
 from schemas.errors import BackendUnavailable, CompileError, FingerprintMismatch
 from schemas.fingerprint import HardwareFingerprint
 from schemas.options import CompileOptions, Portability, Precision
+from schemas.technologies.aotinductor import X86_LEVEL_ORDER, cuda_target, level_index
 
 if TYPE_CHECKING:
     import numpy as np

@@ -84,9 +84,6 @@ from runtime_agent.executors.onnxruntime import (
     ENGINE_MEDIA_TYPE,
     OnnxRuntimeExecutor,
 )
-from runtime_agent.executors.onnxruntime import (
-    HARDWARE_SPECIFIC_LEVEL as HARDWARE_SPECIFIC,
-)
 from schemas.errors import (
     BackendUnavailable,
     CompileError,
@@ -98,6 +95,7 @@ from schemas.errors import (
 from schemas.fingerprint import HardwareFingerprint
 from schemas.manifest import TensorSpec
 from schemas.options import CompileOptions, Portability, Precision
+from schemas.technologies.onnxruntime import HARDWARE_SPECIFIC_LEVEL as HARDWARE_SPECIFIC
 from schemas.tuning import ThreadPolicy
 
 if TYPE_CHECKING:

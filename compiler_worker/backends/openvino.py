@@ -82,10 +82,6 @@ from runtime_agent.executors.openvino import (
     ENGINE_MEDIA_TYPE,
     OpenVinoExecutor,
     blob_header,
-    has_bf16,
-    kernel_class,
-    kernel_features,
-    openvino_version,
 )
 from runtime_agent.fingerprint import detect_cpu, isa_class, version_tuple
 from schemas.datasets import NNCF_MIN_CALIBRATION_SAMPLES
@@ -98,6 +94,12 @@ from schemas.errors import (
 from schemas.fingerprint import HardwareFingerprint
 from schemas.manifest import TensorSpec
 from schemas.options import AccuracyMetric, CompileOptions, Portability, Precision
+from schemas.technologies.openvino import (
+    has_bf16,
+    kernel_class,
+    kernel_features,
+    openvino_version,
+)
 
 if TYPE_CHECKING:
     import numpy as np

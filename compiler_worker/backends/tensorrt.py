@@ -39,19 +39,21 @@ from compiler_worker.backends.base import (
 )
 from runtime_agent.executors.base import CustomOpAdapter
 from runtime_agent.executors.tensorrt import (
-    AMPERE,
-    COMPAT_MIN_TRT,
     ENGINE_MEDIA_TYPE,
     HARDWARE_COMPATIBILITY_LEVELS,
     TensorRTExecutor,
-    compute_capability,
-    cuda_device,
-    is_integrated,
     logging_bridge,
 )
 from schemas.errors import BackendUnavailable, CompileError, FingerprintMismatch, InvalidOptions
 from schemas.fingerprint import HardwareFingerprint
 from schemas.options import CompileOptions, Portability, Precision
+from schemas.technologies.tensorrt import (
+    AMPERE,
+    COMPAT_MIN_TRT,
+    compute_capability,
+    cuda_device,
+    is_integrated,
+)
 
 if TYPE_CHECKING:
     import numpy as np

@@ -1,7 +1,9 @@
 """Executors by backend name: a tiny registry, and ``load_executor`` for an artifact directory.
 
-Each executor is the twin of a compiler backend of the same name. Registering a class imports
-nothing heavy: the runtime library is imported when an executor loads an engine.
+Each executor is the twin of a compiler backend of the same name, and inherits its technology's
+key rules (``schemas.technologies``): registering one for a backend with no rules there, or a
+class that does not inherit them, raises. Registering a class imports nothing heavy: the runtime
+library is imported when an executor loads an engine.
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ from runtime_agent.executors.onnxruntime import OnnxRuntimeExecutor
 from runtime_agent.executors.openvino import OpenVinoExecutor
 from runtime_agent.executors.tensorrt import TensorRTExecutor
 from runtime_agent.plugins import LoadedPlugin, load_bundle
+from schemas import technologies
 from schemas.errors import BackendUnavailable, NotFound
-from schemas.fingerprint import HardwareFingerprint
 from schemas.manifest import ArtifactManifest
+
+# The key rules are the technologies' (pure functions of a fingerprint, in schemas); they are
+# re-exported here for the runtime's callers.
+from schemas.technologies import node_compatibility_keys, node_fingerprint_keys, peer_backends
 
 __all__ = [
     "MANIFEST_FILENAME",
@@ -53,7 +59,13 @@ _REGISTRY: dict[str, type[Executor]] = {}
 
 def register(name: str, cls: type[Executor]) -> None:
     """Register an executor class for backend ``name`` (and its blobs' media types); a duplicate
-    name or a media type another executor claims with another extension raises ``ValueError``."""
+    name, a name with no rules in ``schemas.technologies``, a class that does not inherit them,
+    or a media type another executor claims with another extension raises ``ValueError``."""
+    known = technologies.registered()
+    if name not in known or not issubclass(cls, technologies.get(name)):
+        raise ValueError(
+            f"executor {cls.__qualname__} for backend {name!r} must inherit that technology's "
+            f"rules from schemas.technologies; the technologies there are {known}")
     if name in _REGISTRY:
         raise ValueError(
             f"an executor is already registered for backend {name!r}: "
@@ -90,36 +102,6 @@ def registered() -> list[str]:
 def registered_classes() -> list[type[Executor]]:
     """Executor classes, most preferred first."""
     return sorted(_REGISTRY.values(), key=lambda cls: (-cls.preference, cls.backend))
-
-
-def node_fingerprint_keys(fingerprint: HardwareFingerprint) -> dict[str, str]:
-    """Backend name → this node's fingerprint key, for every executor that supports it, in the
-    node's order of preference (the control plane serves the first a deployment allows)."""
-    return {
-        cls.backend: cls.fingerprint_key(fingerprint)
-        for cls in registered_classes()
-        if cls.supports(fingerprint)
-    }
-
-
-def peer_backends() -> set[str]:
-    """Backends a request that names no backend plans no job of their own for, beside the
-    node's preferred one: those whose candidates race in another backend's job
-    (``Executor.joins_as_peer``) and those built only when named (``planned_unnamed``)."""
-    return {name for name, cls in _REGISTRY.items()
-            if cls.joins_as_peer or not cls.planned_unnamed}
-
-
-def node_compatibility_keys(fingerprint: HardwareFingerprint) -> dict[str, list[str]]:
-    """Backend name → the coarser compatibility keys of the engines this node also runs, for
-    every executor that supports it and has any (an artifact whose ``compatibility_key`` is
-    listed for its backend runs here; see ``Executor.compatibility_keys``)."""
-    keys = {
-        name: cls.compatibility_keys(fingerprint)
-        for name, cls in sorted(_REGISTRY.items())
-        if cls.supports(fingerprint)
-    }
-    return {name: found for name, found in keys.items() if found}
 
 
 def load_executor(artifact_dir: Path, manifest: ArtifactManifest,

@@ -8,7 +8,7 @@ signature and what ``_run()`` returns against its outputs; subclasses only do th
 from __future__ import annotations
 
 import re
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -17,13 +17,8 @@ import numpy as np
 
 from runtime_agent.executors.tensors import DeviceTensor, InputCheck, OutputShapes, from_dlpack
 from schemas.errors import BackendUnavailable, IntegrityError, InvalidRequest, KilnError
-from schemas.fingerprint import (
-    EngineRequirements,
-    HardwareFingerprint,
-    TuningContext,
-    core_class,
-)
 from schemas.manifest import ArtifactManifest, BlobRef
+from schemas.technologies.base import Technology
 
 if TYPE_CHECKING:
     from runtime_agent.plugins import LoadedPlugin
@@ -85,24 +80,18 @@ class CustomOpAdapter(Protocol):
     def runtime_config(self) -> list[dict[str, object]]: ...
 
 
-class Executor(ABC):
+class Executor(Technology):
     """Runs one engine. ``__init__`` loads it; ``run`` validates the feed, then ``_run`` works.
 
-    The classmethods are the backend's compatibility rules, defined here once so that an agent
-    computes the same keys as the compiler backend (which delegates to them):
-    ``fingerprint_key`` (exact), ``compatibility_key`` (an engine's coarser key, if any),
-    ``compatibility_keys`` (a node's coarser keys) and ``compatible`` (the rule the keys encode).
+    The compatibility rules (``backend``, ``runtime``, ``supports``, ``fingerprint_key``,
+    ``compatibility_key(s)``, ``compatible``, ``requirements``, ...) are the technology's, in
+    ``schemas.technologies``: each executor inherits its technology's class first
+    (``class OnnxRuntimeExecutor(OnnxRuntimeRules, Executor)``), so an agent, the compiler backend
+    that delegates to it and the control plane compute the same keys. Here is the runtime side.
     """
 
-    backend: ClassVar[str]
-    #: The runtime whose version this backend's keys carry: its entry in
-    #: ``HardwareFingerprint.runtimes`` (probed by ``probe_version``).
-    runtime: ClassVar[str]
     #: Media types of the blobs this backend writes → their file extensions.
     media_types: ClassVar[dict[str, str]] = {}
-    #: Which backend an agent prefers when a deployment names none: highest first (its
-    #: fingerprint keys are reported in this order).
-    preference: ClassVar[int] = 0
     #: Whether this executor runs engines with custom-op plugins (``manifest.plugins``).
     supports_plugins: ClassVar[bool] = False
     #: The backend name plugin implementations for this executor declare (default: its own
@@ -114,28 +103,12 @@ class Executor(ABC):
     #: The model platform the Open Inference Protocol reports (Triton's name where one fits;
     #: empty: ``kiln_<backend>``).
     platform: ClassVar[str] = ""
-    #: Whether this backend's candidates race inside the job of another backend of the node
-    #: (``options.tune: auto`` tunes every backend of the device in one run): it gets a build
-    #: of its own only when a request names it (``options.backends``, or a target key of its
-    #: own), so planning an unnamed request does not queue a second, redundant job for it.
-    joins_as_peer: ClassVar[bool] = False
-    #: Whether a request that names no backend also plans a build of this backend beside the
-    #: node's preferred one. False for a backend whose engines rarely beat the node's others
-    #: and cost a long build (IREE on a node that has onnxruntime): it is built when a request
-    #: names it, or where it is the node's preferred backend (an arm64 node with only it).
-    planned_unnamed: ClassVar[bool] = True
 
     @classmethod
     @abstractmethod
     def probe_version(cls) -> str | None:
         """The installed version of ``runtime`` (``None`` when absent), without importing it
         where package metadata answers."""
-
-    @classmethod
-    def portable_key(cls, fingerprint: HardwareFingerprint) -> str | None:
-        """The compatibility key of the most portable engine this backend builds on
-        ``fingerprint`` (``options.portability: portable``); ``None`` when it builds none."""
-        return None
 
     @classmethod
     def custom_op_adapter(cls, plugins: Sequence[LoadedPlugin], ops: Iterable[str],
@@ -145,92 +118,9 @@ class Executor(ABC):
         return None
 
     @classmethod
-    def device_for(cls, runtime_config: Mapping[str, object]) -> str:
-        """The device an engine with ``runtime_config`` runs on (``"cpu"``, ``"cuda"``): the
-        device whose custom-op implementations it needs."""
-        return "cpu"
-
-    @classmethod
     def plugin_abi(cls) -> str | None:
         """This runtime's ABI tag for native custom-op libraries (``None``: it loads none)."""
         return None
-
-    @classmethod
-    @abstractmethod
-    def supports(cls, fingerprint: HardwareFingerprint) -> bool:
-        """Whether engines of this backend can run on (and be built for) ``fingerprint``."""
-
-    @classmethod
-    @abstractmethod
-    def fingerprint_key(cls, fingerprint: HardwareFingerprint) -> str:
-        """The key that decides engine compatibility for this backend (``[a-z0-9.-]``)."""
-
-    @classmethod
-    @abstractmethod
-    def compatible(
-        cls,
-        built_on: HardwareFingerprint,
-        node: HardwareFingerprint,
-        runtime_config: Mapping[str, object] | None = None,
-    ) -> bool:
-        """Whether an engine built on ``built_on`` runs correctly on ``node``.
-
-        ``runtime_config`` is the artifact manifest's: it says how portable the engine was
-        built. Without it the answer is for the least portable engine the backend builds.
-        """
-
-    @classmethod
-    def compatibility_key(
-        cls, built_on: HardwareFingerprint, runtime_config: Mapping[str, object] | None = None
-    ) -> str | None:
-        """The coarser key of an engine built on ``built_on`` with ``runtime_config``: it runs
-        on every node whose ``compatibility_keys`` contain it. ``None`` (the default) when
-        only the exact fingerprint key fits."""
-        return None
-
-    #: The CPU features this backend's candidates read (which of them a node has can change
-    #: the winner: its own tuning is worth a build); none by default.
-    tuning_features: ClassVar[tuple[str, ...]] = ()
-
-    @classmethod
-    def requirements(cls, built_on: HardwareFingerprint, config: Mapping[str, object],
-                     precision: str) -> EngineRequirements:
-        """What an engine of the winning candidate (``config``: its settings and runtime
-        config; ``precision``: what it computes in) needs to run correctly. By default: the
-        build host's architecture and runtime version, its GPU's compute capability for a
-        GPU engine, and its exact key unless the engine carries a compatibility key (whose
-        rule then stands). A backend that knows which features its kernels use says less."""
-        version = built_on.runtimes.get(cls.runtime)
-        cc = (built_on.accelerators[0].compute_capability
-              if built_on.accelerators and cls.device_for(config) == "cuda" else None)
-        portable = cls.compatibility_key(built_on, config) is not None
-        return EngineRequirements(
-            arch=built_on.cpu.arch, runtimes={cls.runtime: version} if version else {},
-            compute_capability=cc or None,
-            key=None if portable else cls.fingerprint_key(built_on),
-            reasons=[f"{cls.backend} engines run only where their compatibility key's rule "
-                     f"holds" if portable else
-                     f"{cls.backend} records no finer rule: its build host's key exactly"])
-
-    @classmethod
-    def tuning_context(cls, built_on: HardwareFingerprint, config: Mapping[str, object],
-                       requested: str, *, threads_tuned: bool = False) -> TuningContext:
-        """What the winner was chosen for: the build host's CPU, core class, and which of
-        ``tuning_features`` it has (``requested``: the compile's precision policy, which
-        decides which candidates raced)."""
-        have = set(built_on.cpu.features)
-        return TuningContext(
-            cpu_model=built_on.cpu.model, cores=built_on.cpu.cores,
-            core_class=core_class(built_on.cpu.cores), depends_on=sorted(cls.tuning_features),
-            features=sorted(f for f in cls.tuning_features if f in have),
-            threads_tuned=threads_tuned)
-
-    @classmethod
-    def compatibility_keys(cls, fingerprint: HardwareFingerprint) -> list[str]:
-        """The coarser keys of the engines this node runs besides its exact key's (none by
-        default). ``compatible()`` agrees: an engine runs here when its fingerprint key is
-        this node's, or its ``compatibility_key`` is one of these."""
-        return []
 
     def __init__(self, artifact_dir: Path, manifest: ArtifactManifest,
                  plugins: Sequence[LoadedPlugin] = (), *, stream: int | None = None) -> None:

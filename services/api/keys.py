@@ -1,26 +1,25 @@
-"""The fingerprint keys an agent may claim: exactly those the registered executors derive
-from the fingerprint it reports. A key names a build queue, so a key no executor derives
-would queue builds no worker can take (or that one hardware class would take for another).
+"""The fingerprint keys an agent may claim: exactly those the technologies' rules derive
+from the fingerprint it reports. A key names a build queue, so a key no rule derives would
+queue builds no worker can take (or that one hardware class would take for another).
 
-This is the one place the control plane imports ``runtime_agent``: the executors' key rules
-are pure functions of a fingerprint, written once for workers, agents and this check (no
-toolchain is imported with them).
+The rules are ``schemas.technologies``: pure functions of a fingerprint, written once for
+workers, agents (whose executors inherit them) and this check.
 """
 
 from __future__ import annotations
 
-from runtime_agent.executors import (
-    get,
-    node_compatibility_keys,
-    node_fingerprint_keys,
-    peer_backends,
-)
 from schemas.agents import AgentRegistration
 from schemas.errors import ErrorCode, InvalidRequest, KilnError
 from schemas.fingerprint import (
     HardwareFingerprint,
     fingerprint_inconsistencies,
     tuning_context_key,
+)
+from schemas.technologies import (
+    get,
+    node_compatibility_keys,
+    node_fingerprint_keys,
+    peer_backends,
 )
 
 
@@ -33,7 +32,7 @@ class FingerprintInconsistent(KilnError):
 
 def check_claimed_keys(registration: AgentRegistration) -> None:
     """``InvalidRequest`` (400) naming the first fingerprint or compatibility key of
-    ``registration`` that the executors do not derive from its fingerprint."""
+    ``registration`` that the technologies' rules do not derive from its fingerprint."""
     fingerprint = registration.fingerprint
     problems = fingerprint_inconsistencies(fingerprint)
     if problems:
@@ -52,7 +51,7 @@ def check_claimed_keys(registration: AgentRegistration) -> None:
                      else "have no key for it on this hardware")
             raise InvalidRequest(
                 f"agent {registration.name!r} claims fingerprint key {key!r} for backend "
-                f"{backend!r}, but the control plane's executors {found}; the keys its "
+                f"{backend!r}, but the control plane's key rules {found}; the keys its "
                 f"fingerprint derives are {derived}", key=key, backend=backend,
                 derived=derived)
     for backend, keys in registration.compatibility_keys.items():
@@ -66,7 +65,8 @@ def check_claimed_keys(registration: AgentRegistration) -> None:
 
 def backends_planned_only_when_named() -> set[str]:
     """Backends whose candidates race in another backend's job on the worker
-    (``Executor.joins_as_peer``): a deployment that names no backend is not planned for them."""
+    (``Technology.joins_as_peer``) or built only when named (``planned_unnamed``): a
+    deployment that names no backend is not planned for them."""
     return peer_backends()
 
 

@@ -74,7 +74,7 @@ def test_a_heartbeat_is_bounded_too(api):
 @pytest.mark.parametrize(("claim", "needle"), [
     ({"fingerprint_keys": {"onnxruntime": "ort-cpu-x86-64-v4-ort1.32"}},
      "claims fingerprint key 'ort-cpu-x86-64-v4-ort1.32' for backend 'onnxruntime', but the "
-     "control plane's executors derive 'ort-cpu-x86-64-v3-ort1.32'"),
+     "control plane's key rules derive 'ort-cpu-x86-64-v3-ort1.32'"),
     ({"fingerprint_keys": {"tensorrt": "trt-sm90-h100-trt10.0"}},
      "claims fingerprint key 'trt-sm90-h100-trt10.0' for backend 'tensorrt', but the control "
      "plane's executors have no key for it on this hardware"),
