@@ -3,6 +3,7 @@ processes, SQLite, a local blob directory and a broker that needs no server."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -92,54 +93,41 @@ class EmbeddedStack:
         return f"http://{self.host}:{self.port}"
 
     def prepare(self) -> dict[str, str]:
-        """Create the state folder, secret and signing key once; return the services' env."""
-        from artifact_store import generate_keypair
-        from services.api.auth import ANY_KEY, DEFAULT_TOKEN_TTL_S, Role, mint_token
-        from services.config import KilnSettings
-        from services.db import migrate
-        from services.signer import init_trust
-
+        """Create the state folder and secret once, and have the control plane's entry point
+        (``python -m services stack-init``: ``kiln`` imports nothing of the control plane)
+        make the signing key, root metadata and schema and mint the stack's tokens; return
+        the services' env."""
         self.home = self.home.resolve()
         self.home.mkdir(parents=True, exist_ok=True)
         secret_file = self.home / "secret"
         if not secret_file.exists():
             secret_file.write_text(secrets.token_hex(32))
             secret_file.chmod(0o600)
-        key_file = self.home / "signing.key"
-        if not key_file.exists():
-            generate_keypair(key_file)
-        # The root key and root metadata version 1 naming the online key (agents get the
-        # root public key, $KILN_HOME/root.key.pub).
-        init_trust(KilnSettings(home=self.home, signing_key_path=key_file,
-                                root_key_path=self.home / "root.key",
-                                trust_dir=self.home / "trust"))
         env = {
             **os.environ,
             # The embedded defaults (SQLite, a local store, the filesystem broker) are dev's.
             "KILN_ENV": "dev",
             "KILN_HOME": str(self.home),
             "KILN_SECRET_KEY": secret_file.read_text().strip(),
-            "KILN_SIGNING_KEY_PATH": str(key_file),
+            "KILN_SIGNING_KEY_PATH": str(self.home / "signing.key"),
             "KILN_API_HOST": self.host,
             "KILN_API_PORT": str(self.port),
         }
         for name in ("KILN_DATABASE_URL", "KILN_STORE_URI", "KILN_BROKER_URL"):
             env.pop(name, None)  # the embedded defaults, under KILN_HOME ...
         env.update(self.overrides)  # ... unless told otherwise
-        migrate(env.get("KILN_DATABASE_URL", f"sqlite:///{self.home / 'kiln.db'}"))
-        self.token = mint_token(env["KILN_SECRET_KEY"], role=Role.ADMIN, subject="kiln-up",
-                                ttl_s=DEFAULT_TOKEN_TTL_S)
-        # The stack's own workers build whatever their machine serves: a worker token for
-        # any key. They publish through the API, which alone holds the signing key.
-        self.worker_token = mint_token(env["KILN_SECRET_KEY"], role=Role.WORKER,
-                                       subject="kiln-up-worker", ttl_s=DEFAULT_TOKEN_TTL_S,
-                                       keys=[ANY_KEY])
-        # The local agent speaks for itself only: its record, the artifacts and plugins of
-        # its desired state (it runs plugins in its process; an admin token there would be
-        # theirs).
-        self.agent_token = mint_token(env["KILN_SECRET_KEY"], role=Role.AGENT,
-                                      subject="kiln-up-agent", ttl_s=DEFAULT_TOKEN_TTL_S,
-                                      agent=AGENT_NAME)
+        proc = subprocess.run([sys.executable, "-m", "services", "stack-init",
+                               "--agent", AGENT_NAME], env=env, capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"setting up the control plane under {self.home} failed "
+                               f"(exit {proc.returncode}): {proc.stderr.strip()[-4000:]}")
+        tokens = json.loads(proc.stdout)
+        # The admin token; the stack's workers' token (any fingerprint key; they publish
+        # through the API, which alone holds the signing key); the local agent's, which
+        # speaks for AGENT_NAME only.
+        self.token, self.worker_token, self.agent_token = (
+            tokens["admin"], tokens["worker"], tokens["agent"])
         write_client_file(self.home, api_url=self.api_url, token=self.token)
         return env
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kiln.cli.common import (
@@ -22,7 +23,7 @@ from kiln.cli.common import (
     err,
     open_client,
 )
-from kiln.exit_codes import EXIT_CODES
+from kiln.exit_codes import EXIT_CODES, USAGE
 from kiln.output import print_json, print_table, short_ids
 from schemas.errors import ErrorCode, KilnError
 
@@ -43,19 +44,49 @@ def _secret(home: Path) -> str:
     return secret
 
 
+def _services(*args: str, env: dict[str, str] | None = None) -> None:
+    """Run ``python -m services ARGS`` (the control plane's command line: ``kiln`` imports
+    nothing of it), its output passed through; exit with its status unless it is 0. Its
+    output goes straight to this process's terminal where there is one (a progress bar, a
+    spinner), else through this process's streams."""
+    argv = [sys.executable, "-m", "services", *args]
+    try:
+        sys.stdout.fileno(), sys.stderr.fileno()
+        inherit = True
+    except (OSError, ValueError, AttributeError):  # streams that are no file (captured)
+        inherit = False
+    if inherit:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        proc = subprocess.run(argv, env=env)
+    else:
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True)
+        sys.stdout.write(proc.stdout)
+        sys.stderr.write(proc.stderr)
+    if proc.returncode != 0:
+        raise typer.Exit(proc.returncode)
+
+
 def _mint(role: str, subject: str, agent_name: str | None, ttl: int | None, home: Path,
           show_id: bool, keys: list[str] | None = None) -> None:
     import jwt
 
-    from services.api.auth import Role, mint_token
-    from services.config import KilnSettings
-
-    try:
-        minted = mint_token(_secret(home), role=Role(role), subject=subject,
-                            ttl_s=ttl or KilnSettings().token_ttl_s, agent=agent_name,
-                            keys=keys or None)
-    except (ValueError, KilnError) as exc:
-        raise typer.BadParameter(getattr(exc, "message", str(exc))) from exc
+    argv = [sys.executable, "-m", "services", "token", "--role", role, "--subject", subject]
+    if agent_name is not None:
+        argv += ["--agent", agent_name]
+    for key in keys or ():
+        argv += ["--key", key]
+    if ttl is not None:
+        argv += ["--ttl", str(ttl)]
+    # The secret goes in the environment, never on the command line.
+    proc = subprocess.run(argv, env={**os.environ, "KILN_SECRET_KEY": _secret(home)},
+                          capture_output=True, text=True)
+    if proc.returncode == USAGE:  # a refused request: the message alone
+        raise typer.BadParameter(proc.stderr.strip())
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr)
+        raise typer.Exit(proc.returncode)
+    minted = proc.stdout.strip()
     console.print(minted, soft_wrap=True)
     if show_id:
         claims = jwt.decode(minted, options={"verify_signature": False})
@@ -146,31 +177,11 @@ def keygen(
 store_app = typer.Typer(no_args_is_help=True, help="The artifact store: init, verify.")
 
 
-def _control_settings():
-    from pydantic import ValidationError
-
-    from services.config import KilnSettings
-
-    try:
-        settings = KilnSettings()
-    except ValidationError as exc:
-        raise KilnError(f"invalid settings: {exc}", code=ErrorCode.CONFIG_ERROR) from exc
-    settings.check_explicit()  # production: never a silent fallback to the embedded defaults
-    return settings
-
-
 @store_app.command("init")
 def store_init(as_json: JsonOpt = False) -> None:
     """Create the bucket (S3) or folder of KILN_STORE_URI unless it exists, and check that
     this process can put, read and delete an object there."""
-    from services.maintenance import init_store
-
-    settings = _control_settings()
-    store = init_store(settings)
-    if as_json:
-        print_json({"store": store.uri, "writable": True})
-        return
-    err.print(f"[green]{store.uri} is ready[/]: put, get and delete of a probe object passed")
+    _services("store", "init", *(["--json"] if as_json else []))
 
 
 @store_app.command("verify")
@@ -186,45 +197,8 @@ def store_verify(
     """Re-hash every blob the catalog names (each artifact's manifest) and report missing,
     corrupt and orphaned ones. Runs with the control plane's settings (database, store,
     broker). Exits 0 only when the store is clean (or was repaired)."""
-    from celery import Celery
-
-    from services.db import make_engine, make_session_factory
-    from services.maintenance import verify_store
-    from services.preflight import check_store
-    from services.queue import configure_celery
-
-    settings = _control_settings()
-    store = check_store(settings)
-    sessions = make_session_factory(make_engine(settings.database_url))
-    queue = configure_celery(settings, Celery("kiln-store-verify", set_as_current=False)) \
-        if repair else None
-    with Progress(TextColumn("re-hashing blobs"), BarColumn(), TextColumn("{task.completed}/"
-                  "{task.total}"), TimeElapsedColumn(), console=err, transient=True) as bar:
-        task = bar.add_task("", total=None)
-        report = verify_store(sessions, store, repair=repair, delete_orphans=delete_orphans,
-                              queue=queue,
-                              on_blob=lambda done, total: bar.update(task, completed=done,
-                                                                     total=total))
-    if as_json:
-        print_json(report.model_dump(mode="json"))
-    else:
-        err.print(f"{report.store}: {report.artifacts} artifacts, {report.blobs_checked} blobs "
-                  f"({report.bytes_checked} bytes) whole")
-        for p in report.problems:
-            console.print(f"{p.problem}: artifact {p.artifact_id} blob {p.blob} {p.sha256}")
-        for sha in report.orphaned_blobs:
-            console.print(f"orphaned blob {sha}"
-                          + (" (deleted)" if sha in report.deleted_blobs else ""))
-        for artifact_id in report.orphaned_manifests:
-            console.print(f"orphaned manifest {artifact_id}"
-                          + (" (deleted)" if artifact_id in report.deleted_manifests else ""))
-        if report.marked_broken or report.rebuild_jobs:
-            err.print(f"marked broken: {report.marked_broken or 'none new'}; rebuild jobs: "
-                      f"{report.rebuild_jobs}")
-    unrepaired = report.problems and not repair
-    orphans_left = (report.orphaned_blobs or report.orphaned_manifests) and not delete_orphans
-    if unrepaired or orphans_left:
-        raise typer.Exit(EXIT_CODES[ErrorCode.INTEGRITY_ERROR])
+    flags = {"--repair": repair, "--delete-orphans": delete_orphans, "--json": as_json}
+    _services("store", "verify", *(flag for flag, given in flags.items() if given))
 
 
 def config_(
@@ -238,32 +212,43 @@ def config_(
     came from: env, file, or default."""
     from pydantic import ValidationError
 
-    from kiln.config import CLIENT_FILE
-    from kiln.settings import effective, markdown_table, settings_classes, unknown_variables
+    from kiln.config import CLIENT_FILE, ClientSettings
+    from kiln.settings import (
+        COMPONENTS,
+        component_effective,
+        effective,
+        markdown_table,
+        unknown_variables,
+    )
 
     if markdown:
         console.print(markdown_table(), markup=False, highlight=False, soft_wrap=True)
         return
-    classes = settings_classes()
-    wanted = component or list(classes)
+    wanted = component or list(COMPONENTS)
     for name in wanted:
-        if name not in classes:
-            raise typer.BadParameter(f"{name!r}: expected one of {', '.join(classes)}",
+        if name not in COMPONENTS:
+            raise typer.BadParameter(f"{name!r}: expected one of {', '.join(COMPONENTS)}",
                                      param_hint="--component")
     result: dict[str, list[dict[str, str]]] = {}
     for name in wanted:
+        if name != "cli":  # the api's and the worker's from their own entry points
+            try:
+                rows = component_effective(name, os.environ)
+            except KilnError as exc:
+                raise KilnError(exc.message) from exc
+            result[name] = [vars(row) for row in rows]
+            continue
         try:
-            settings = classes[name]()
+            settings = ClientSettings()
         except ValidationError as exc:
             raise KilnError(f"invalid {name} settings: {exc}") from exc
-        file_fields: dict[str, str] = {}
-        if name == "cli":  # the CLI falls back on the client.json `kiln up` writes
-            path = settings.home / CLIENT_FILE
-            saved = json.loads(path.read_text()) if path.is_file() else {}
-            update = {k: saved[k] for k in ("api_url", "token")
-                      if getattr(settings, k) is None and saved.get(k)}
-            settings = settings.model_copy(update=update)
-            file_fields = dict.fromkeys(update, str(path))
+        # The CLI falls back on the client.json `kiln up` writes.
+        path = settings.home / CLIENT_FILE
+        saved = json.loads(path.read_text()) if path.is_file() else {}
+        update = {k: saved[k] for k in ("api_url", "token")
+                  if getattr(settings, k) is None and saved.get(k)}
+        settings = settings.model_copy(update=update)
+        file_fields = dict.fromkeys(update, str(path))
         result[name] = [vars(row) for row in effective(settings, os.environ,
                                                        file_fields=file_fields)]
     unknown = unknown_variables(os.environ)
@@ -321,25 +306,12 @@ keys_app = typer.Typer(no_args_is_help=True, help=(
     "KILN_SIGNING_KEY_PATH, KILN_TRUST_DIR (defaults under KILN_HOME)."))
 
 
-def _print_trust(info, *, what: str) -> None:
-    console.print(f"{what}: root metadata version {info.root_version} (expires "
-                  f"{info.expires:%Y-%m-%d}); root key {info.root_key_id}; online key(s) "
-                  f"{', '.join(info.online_key_ids)}")
-
-
 @keys_app.command("init")
 def keys_init() -> None:
     """Create the root key and the online key where missing, and root metadata version 1
     naming them (nothing changes when root metadata exists). Agents get the root public key
     (<root key>.pub) and nothing else."""
-    from services.config import get_settings
-    from services.signer import init_trust
-
-    settings = get_settings()
-    info = init_trust(settings, create_keys=True)
-    _print_trust(info, what="trust")
-    console.print(f"give agents the root public key: {settings.root_key_path}.pub "
-                  f"(--root-key / KILN_AGENT_ROOT_KEYS)")
+    _services("keys", "init")
 
 
 @keys_app.command("rotate")
@@ -352,16 +324,7 @@ def keys_rotate(
     (signed by the root key), every stored manifest re-signed. Agents pick up the new key on
     their next fetch; what the old key signs afterwards is refused. The running API reads the
     new key file by itself."""
-    from artifact_store import open_store
-    from services.config import get_settings
-    from services.signer import rotate_online_key
-
-    settings = get_settings()
-    store = open_store(settings.store_uri, s3_endpoint_url=settings.s3_endpoint_url,
-                       s3_region=settings.s3_region) if resign else None
-    with console.status("re-signing manifests and writing new root metadata"):
-        info = rotate_online_key(settings, store)
-    _print_trust(info, what="rotated")
+    _services("keys", "rotate", "--resign" if resign else "--no-resign")
 
 
 @keys_app.command("rotate-root")
@@ -370,19 +333,10 @@ def keys_rotate_root() -> None:
     signed by the old root key and the new one. Agents follow it on their next root refresh,
     with nothing reinstalled; the old key is kept as <root key>.retired-<version> (destroy it
     once every agent has updated). Keep the new root key offline, as the old one."""
-    from services.config import get_settings
-    from services.signer import rotate_root_key
-
-    settings = get_settings()
-    info = rotate_root_key(settings)
-    _print_trust(info, what="rotated the root key")
+    _services("keys", "rotate-root")
 
 
 @keys_app.command("show")
 def keys_show() -> None:
     """The current root metadata: its version, expiry, root key and online key(s)."""
-    from services.config import get_settings
-    from services.signer import root_metadata, trust_info
-
-    settings = get_settings()
-    _print_trust(trust_info(root_metadata(Path(settings.trust_dir))), what="trust")
+    _services("keys", "show")

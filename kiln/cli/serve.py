@@ -38,40 +38,22 @@ def api(
         "KILN_API_AGENT_PROCESSES)")] = None,
 ) -> None:
     """Run the control-plane API."""
-    import uvicorn
+    from kiln.settings import launch_check
 
-    from services.api.app import collect_on_schedule, create_app
-    from services.config import get_settings
-    from services.db import migrate
+    launch_check("api", os.environ)  # every side's variables are known here, not there
+    given = {"--host": host, "--port": port, "--processes": processes,
+             "--agent-port": agent_port, "--agent-processes": agent_processes}
+    _become("services", "api", *(part for flag, value in given.items() if value is not None
+                                 for part in (flag, str(value))))
 
-    settings = get_settings()
-    given = {"KILN_API_PROCESSES": processes, "KILN_API_AGENT_PORT": agent_port,
-             "KILN_API_AGENT_PROCESSES": agent_processes}
-    if any(value is not None for value in given.values()):
-        for name, value in given.items():  # the processes read them too
-            if value is not None:
-                os.environ[name] = str(value)
-        get_settings.cache_clear()
-        settings = get_settings()
-    _setup_logging(settings.log_level)
-    _start_up(settings, "api", production=settings.env != "dev")
-    from services.preflight import preflight
 
-    preflight(settings)  # the broker answers, the store exists: else stop, naming the fix
-    config = dict(host=host or settings.api_host, port=port or settings.api_port,
-                  log_level=settings.log_level.lower())
-    if settings.api_processes == 1 and settings.api_agent_port is None:
-        application = create_app(settings)
-        collect_on_schedule(settings)
-        uvicorn.run(application, **config, **settings.connection_limits().uvicorn_options())
-        return
-    from services.api.processes import serve
-
-    migrate(settings.database_url)  # once, before the processes start
-    raise typer.Exit(serve(settings.api_processes, **config,
-                           agent_port=settings.api_agent_port,
-                           agent_processes=settings.api_agent_processes,
-                           nice=settings.api_nice))
+def _become(module: str, *args: str) -> None:
+    """Replace this process by ``python -m MODULE ARGS``: the side's own entry point, so that
+    ``kiln`` imports nothing of it, and its signals, exit status and output are the
+    command's."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", module, *args])
 
 
 def worker(
@@ -98,18 +80,11 @@ def worker(
         os.environ["KILN_WORKER_NAME"] = name
     if fingerprint_file:
         os.environ["KILN_FINGERPRINT_FILE"] = str(fingerprint_file)
-    from compiler_worker.config import get_worker_settings
+    from kiln.settings import launch_check
 
-    settings = get_worker_settings()
-    _setup_logging(settings.log_level)
-    _start_up(settings, "worker", production=settings.env != "dev")
-    settings.check_no_secrets(os.environ)
-    from services.preflight import check_broker
-
-    check_broker(settings)  # the broker answers; the worker reaches the rest through the API
-    from compiler_worker.worker import run_worker
-
-    run_worker(concurrency=concurrency, pool=pool, settings=settings)
+    launch_check("worker", os.environ)
+    _become("compiler_worker", "worker", "--pool", pool,
+            *(["--concurrency", str(concurrency)] if concurrency is not None else []))
 
 
 def _start_up(settings, component: str, *, production: bool) -> None:
