@@ -21,7 +21,8 @@ def test_compile_writes_an_artifact_dir_that_runs(tmp_path: Path):
     model = tmp_path / "cnn.onnx"
     model.write_bytes(small_cnn().SerializeToString())
     out = tmp_path / "artifact"
-    result = runner.invoke(app, ["compile", str(model), "--out", str(out), "--opt-level", "2"])
+    result = runner.invoke(app, ["compile", str(model), "--out", str(out), "--opt-level", "2",
+                                 "--tune", "off"])  # tuning has a test of its own below
     assert result.exit_code == 0, result.output
     manifest = ArtifactManifest.model_validate_json((out / "manifest.json").read_text())
     assert manifest.verification.passed and manifest.options.optimization_level == 2
@@ -100,7 +101,7 @@ def test_compile_with_a_plugin_bundle_and_run(tmp_path: Path):
     assert without.exit_code != 0  # kiln.examples::Swish is unknown without its plugin
     out = tmp_path / "artifact"
     result = runner.invoke(app, ["compile", str(model), "--out", str(out),
-                                 "--plugin", str(bundle)])
+                                 "--plugin", str(bundle), "--tune", "off"])
     assert result.exit_code == 0, result.output
     manifest = ArtifactManifest.model_validate_json((out / "manifest.json").read_text())
     assert [p.name for p in manifest.plugins] == ["swish"]
