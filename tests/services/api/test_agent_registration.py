@@ -77,7 +77,7 @@ def test_a_heartbeat_is_bounded_too(api):
      "control plane's key rules derive 'ort-cpu-x86-64-v3-ort1.32'"),
     ({"fingerprint_keys": {"tensorrt": "trt-sm90-h100-trt10.0"}},
      "claims fingerprint key 'trt-sm90-h100-trt10.0' for backend 'tensorrt', but the control "
-     "plane's executors have no key for it on this hardware"),
+     "plane's key rules have no key for it on this hardware"),
     ({"fingerprint_keys": {"onnxruntime": KEY}, "compatibility_keys": {
         "onnxruntime": ["ort-cpu-x86-64-portable-ort1.32", "ort-cpu-anything-ort1.32"]}},
      "compatibility key(s) ['ort-cpu-anything-ort1.32']"),
