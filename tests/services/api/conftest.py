@@ -43,8 +43,8 @@ def node_fingerprint(key: str, *, torch: str | None = None) -> HardwareFingerpri
 def registration(name: str, key: str, labels: dict[str, str] | None = None, *,
                  torch: str | None = None) -> dict:
     """A registration body for agent ``name`` on the CPU node of ``key``, with the keys the
-    executors derive for it."""
-    from runtime_agent.executors import node_compatibility_keys, node_fingerprint_keys
+    key rules derive for it."""
+    from schemas.technologies import node_compatibility_keys, node_fingerprint_keys
 
     fingerprint = node_fingerprint(key, torch=torch)
     return {"name": name, "labels": labels or {},
