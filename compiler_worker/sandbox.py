@@ -27,6 +27,7 @@ from compiler_worker import sandbox_child
 from compiler_worker.benchmark import ensure_lock_file
 from compiler_worker.config import WorkerSettings
 from compiler_worker.pipeline import BuildPlan, CompileResult, StageCallback
+from runtime_agent.confine import write_home_files
 from schemas.errors import CompileError, IntegrityError
 from schemas.fingerprint import HardwareFingerprint
 from schemas.jobs import JobStage
@@ -102,6 +103,10 @@ class Sandbox:
         datasets are the ``.npz`` bytes (checked and loaded in the child) and ``plugins``'
         archives must lie inside ``workdir``. The result's blobs lie in ``workdir``."""
         workdir = Path(workdir).resolve()
+        # The child's HOME is its scratch folder: the runtimes' opt-outs go there too, or
+        # OpenVINO's telemetry would take consent as given, write a client id and usage counts
+        # there and queue events for a network the child does not have.
+        write_home_files(workdir)
         model = _write(workdir, MODEL_FILE, model_bytes)
         args: dict[str, Any] = {
             "model": model.name,

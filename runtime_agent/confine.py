@@ -180,13 +180,19 @@ def prepare_home(cache_dir: Path) -> Path:
     returns it. The real home stays refused: a runtime that reads it finds its opt-out here
     instead. The files are written again on every start, since anything in the agent may
     write beneath the cache."""
-    home = Path(cache_dir).resolve() / HOME_DIRNAME
+    home = write_home_files(Path(cache_dir).resolve() / HOME_DIRNAME)
+    os.environ["HOME"] = str(home)
+    return home
+
+
+def write_home_files(home: Path) -> Path:
+    """Write ``HOME_FILES`` beneath ``home`` (made if missing); returns it. For any process whose
+    ``HOME`` is a folder of its own: the agent's, a worker's sandboxed build."""
     home.mkdir(parents=True, exist_ok=True)
     for relative, content in HOME_FILES.items():
         path = home / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(content)
-    os.environ["HOME"] = str(home)
     return home
 
 

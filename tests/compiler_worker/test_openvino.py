@@ -329,6 +329,11 @@ def test_builds_in_the_workers_sandbox(tmp_path: Path, here: HardwareFingerprint
     assert result.manifest.backend == "openvino"
     assert result.manifest.precision == "int8-ptq"
     assert result.manifest.runtime_config["quantization"]["method"] == "nncf.quantize"
+    # The child's home (its scratch folder) held OpenVINO telemetry's opt-out, so the build
+    # wrote no client id or usage counts beside it.
+    home = sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "intel").rglob("*")
+                  if p.is_file())
+    assert home == ["intel/openvino_telemetry"]
 
 
 def test_accuracy_control_stops_at_the_tuning_budget(tmp_path: Path,
