@@ -24,6 +24,7 @@ from pathlib import Path
 from _common import console, fmt
 from rich.table import Table
 
+from artifact_store.inspection import check_upload
 from artifact_store.sandbox import Limits, run_sandboxed
 from compiler_worker.pipeline import compile_model, plan_build
 from compiler_worker.sandbox import Sandbox
@@ -32,7 +33,7 @@ from runtime_agent.fingerprint import detect_fingerprint
 from schemas._canonical import sha256_hex
 from schemas.onnx_model import custom_ops, load_model_bytes
 from schemas.options import CompileOptions
-from services.api.inspection import check_model_upload, check_upload
+from services.api.inspection import check_model_upload
 from services.config import KilnSettings
 
 MIB = 1 << 20

@@ -27,3 +27,18 @@ class ModelInfo(BaseModel):
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     created_at: datetime
+
+
+class ModelCheck(BaseModel):
+    """An uploaded model as its inspection child answers it (``artifact_store.inspection``)
+    to the API (``services.api.inspection``): its blob's media type, format and what the API
+    records in ``ModelInfo``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    media_type: str
+    format: Literal["onnx", "torch-export"]
+    opset: int
+    ir_version: int
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
