@@ -6,7 +6,8 @@ detected by its content). For ONNX the API stores the canonical blob
 (``artifact_store.model_archive``) and inspects only the graph; a ``.pt2`` is stored as it is
 after a structural check (``schemas.torch_export``) that never unpickles or loads a tensor:
 the program is loaded only by a compiler worker's build step. Every check runs in a bounded
-child (``services.api.inspection``), never in the API process.
+child (``artifact_store.inspection``, started by ``services.api.inspection``), never in the
+API process.
 """
 
 from __future__ import annotations
