@@ -8,7 +8,7 @@ target, each registered backend that cross-compiles (``Backend.cross_compiles``)
 it gives one fingerprint key: the worker consumes its queue and advertises it in its
 heartbeat, so the planner routes that node's builds here. Such an engine is built, never run
 on the worker: its verification and benchmark are deferred to the node
-(``pipeline.runs_here``), whose golden check on activation decides.
+(``cross_build.runs_here``), whose golden check on activation decides.
 """
 
 from __future__ import annotations
