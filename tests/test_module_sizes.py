@@ -15,10 +15,7 @@ PACKAGES = ("schemas", "artifact_store", "runtime_agent", "services", "compiler_
 MAX_LINES = 600
 #: Modules still over the limit, each with the size it may not grow past, until its split
 #: lands. One that fits now must leave this table, so it only shrinks.
-PENDING: dict[str, int] = {
-    "compiler_worker/pipeline.py": 939,
-    "compiler_worker/backends/onnxruntime.py": 609,
-}
+PENDING: dict[str, int] = {}
 
 
 def modules() -> Iterator[Path]:
