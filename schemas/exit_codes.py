@@ -10,7 +10,11 @@ generated from this one (``kiln exit-codes``), and a test keeps them one-to-one.
 
 from __future__ import annotations
 
-from schemas.errors import ErrorCode
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from schemas.errors import ErrorCode, KilnError
 
 OK = 0
 JOB_UNSUCCESSFUL = 1
@@ -80,3 +84,17 @@ def markdown_table() -> str:
     rows += [f"| `{status}` | error `{code.value}` |"
              for code, status in sorted(EXIT_CODES.items(), key=lambda item: item[1])]
     return "\n".join(rows)
+
+
+def run_reporting_errors(app: Callable[[], object], err: Any) -> None:
+    """Run a command-line ``app``; a Kiln error prints on ``err`` (a rich console), the way
+    every Kiln command prints one, and exits with the status ``EXIT_CODES`` gives its code.
+    Shared by ``kiln`` and each side's entry point, which import nothing of each other."""
+    try:
+        app()
+    except KilnError as exc:
+        err.print(f"[red]error[/] ({exc.code}): {exc.message}")
+        matches = exc.details.get("matches") if isinstance(exc.details, dict) else None
+        if matches:
+            err.print("matches:\n  " + "\n  ".join(matches))
+        sys.exit(exit_code(exc.code))

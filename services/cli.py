@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from schemas.errors import ErrorCode, KilnError
-from schemas.exit_codes import EXIT_CODES, USAGE, exit_code
+from schemas.exit_codes import EXIT_CODES, USAGE, run_reporting_errors
 from schemas.settings_table import effective, log_effective, variables_of
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -305,11 +305,4 @@ def keys_show() -> None:
 
 def main() -> None:
     """Run a command; a Kiln error prints as ``kiln`` prints it and exits with its status."""
-    try:
-        app()
-    except KilnError as exc:
-        err.print(f"[red]error[/] ({exc.code}): {exc.message}")
-        matches = exc.details.get("matches") if isinstance(exc.details, dict) else None
-        if matches:
-            err.print("matches:\n  " + "\n  ".join(matches))
-        sys.exit(exit_code(exc.code))
+    run_reporting_errors(app, err)

@@ -10,14 +10,11 @@ services; ``compile`` runs the compile pipeline in this process with no services
 
 from __future__ import annotations
 
-import sys
-
 import typer
 
 from kiln.cli import admin, fleet, local, remote, serve
 from kiln.cli.common import err
-from kiln.exit_codes import exit_code
-from schemas.errors import KilnError
+from schemas.exit_codes import run_reporting_errors
 
 app = typer.Typer(no_args_is_help=True, add_completion=True, help=__doc__)
 
@@ -56,11 +53,4 @@ app.add_typer(remote.dataset_app, name="dataset")
 
 
 def main() -> None:
-    try:
-        app()
-    except KilnError as exc:
-        err.print(f"[red]error[/] ({exc.code}): {exc.message}")
-        matches = exc.details.get("matches") if isinstance(exc.details, dict) else None
-        if matches:
-            err.print("matches:\n  " + "\n  ".join(matches))
-        sys.exit(exit_code(exc.code))
+    run_reporting_errors(app, err)
