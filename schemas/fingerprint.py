@@ -263,20 +263,6 @@ def context_differences(context: TuningContext, fingerprint: HardwareFingerprint
     return diffs
 
 
-def context_slug(context_diffs_of: HardwareFingerprint, context: TuningContext) -> str:
-    """A short key suffix naming the node's own tuning context where it differs from
-    ``context`` in what the candidates depend on: ``t-c17-64`` (its core class, where threads
-    were tuned), then each differing feature (``noavx512vnni``)."""
-    features = {f.lower() for f in context_diffs_of.cpu.features}
-    parts = ["t"]
-    if context.threads_tuned:
-        parts.append(core_class(context_diffs_of.cpu.cores).replace("+", "plus"))
-    built = set(context.features)
-    parts += [f.replace("_", "") if f in features else f"no{f.replace('_', '')}"
-              for f in sorted(context.depends_on) if (f in features) != (f in built)]
-    return "-".join(parts)
-
-
 #: Between a fingerprint key and the tuning context that follows it in a context key.
 CONTEXT_KEY_INFIX = "-t-"
 #: The longest fingerprint key the API accepts (``schemas.agents.FINGERPRINT_KEY_PATTERN``).
@@ -290,10 +276,10 @@ def tuning_context_key(fingerprint_key: str, fingerprint: HardwareFingerprint,
     ``<key>-t-<core class>-<each of those features this CPU has, sorted>``
     (``ort-cpu-x86-64-v4-ort1.32-t-c17-64-amxint8-avx512vnni-avxvnni``).
 
-    A function of the fingerprint alone (unlike ``context_slug``, which names differences
-    from one engine's context): every node and every worker of the same kind derive the same
-    key, so a worker consumes the queue of its own and the planner queues a node's tuning
-    under it. A key that would pass the API's length names its features by a digest."""
+    A function of the fingerprint alone, not of the engine it is compared with: every node
+    and every worker of the same kind derive the same key, so a worker consumes the queue of
+    its own and the planner queues a node's tuning under it. A key that would pass the API's
+    length names its features by a digest."""
     have = {f.lower() for f in fingerprint.cpu.features}
     features = [f.replace("_", "") for f in sorted(set(tuning_features)) if f in have]
     context = "-".join([core_class(fingerprint.cpu.cores).replace("+", "plus"), *features])
