@@ -55,8 +55,8 @@ def main() -> None:
     import onnxruntime as ort
     from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
+    from runtime_agent.executors.onnxruntime.custom_ops import SessionCustomOps
     from runtime_agent.plugins import KernelCall, load_plugin
-    from runtime_agent.plugins.onnxruntime import SessionCustomOps
 
     build, models = _example("build"), _example("models")
     workdir = Path(tempfile.mkdtemp(prefix="kiln-bench-custom-ops-"))

@@ -359,7 +359,7 @@ def _openvino(model_path: Path, out_dir: Path, feeds: list[dict[str, np.ndarray]
         import openvino as ov
     except ImportError as exc:
         return [Engine("ov fp32", "fp32 peer", None, error=f"openvino is not installed: {exc}")]
-    from runtime_agent.executors.openvino import has_bf16
+    from runtime_agent.executors.openvino.executor import has_bf16
     from runtime_agent.fingerprint import detect_cpu
 
     started = time.perf_counter()
@@ -381,7 +381,7 @@ def _openvino(model_path: Path, out_dir: Path, feeds: list[dict[str, np.ndarray]
     try:
         import nncf
 
-        from compiler_worker.backends.openvino import is_transformer
+        from compiler_worker.backends.openvino.backend import is_transformer
 
         started = time.perf_counter()
         model = ov.convert_model(str(model_path))

@@ -82,7 +82,7 @@ def ort_paths(artifact: Path, module: object, feed: dict[str, np.ndarray]
     import kiln.torch as kiln_torch
     from kiln import runtime
     from runtime_agent.artifact_dir import read_manifest
-    from runtime_agent.executors.onnxruntime import session_options
+    from runtime_agent.executors.onnxruntime.executor import session_options
 
     manifest = read_manifest(artifact)
     config = manifest.runtime_config

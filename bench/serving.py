@@ -261,7 +261,7 @@ def bare_session(artifact: Path) -> object:
     import onnxruntime as ort
 
     from runtime_agent.artifact_dir import read_manifest
-    from runtime_agent.executors.onnxruntime import session_options
+    from runtime_agent.executors.onnxruntime.executor import session_options
 
     config = read_manifest(artifact).runtime_config
     return ort.InferenceSession(str(next(artifact.glob("engine*"))), session_options(config),

@@ -52,7 +52,7 @@ from compiler_worker.plan import (
 )
 from compiler_worker.plugin_prep import UsedPlugins, peer_custom_ops, prepare_plugins
 from compiler_worker.tuner import tune
-from compiler_worker.verify import random_inputs, reference_custom_ops, reference_runner
+from compiler_worker.verify import random_inputs
 from runtime_agent.executors import blob_filename
 from runtime_agent.samples import describe_inputs
 from schemas._canonical import sha256_hex
@@ -290,8 +290,8 @@ def _compile(
 
     stages.enter(JobStage.BUILDING)
     output_names = [spec.name for spec in outputs]
-    reference = reference_runner(submitted, prepared, output_names,
-                                 custom_ops=reference_custom_ops(used.reference, used.ops))
+    reference = backends.reference_for("onnx").reference_runner(
+        submitted, prepared, output_names, used.reference, used.ops)
     expected = [reference.run(feed) for feed in feeds]
 
     return _tune_and_finish(

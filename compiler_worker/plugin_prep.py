@@ -1,7 +1,7 @@
 """The custom-op plugins a compile uses: each bundle unpacked and checked against its ref,
 the model's ops matched to the plugins that declare them (``UnknownOperator`` for an op
 nobody declares, before any plugin code is imported), and the implementations loaded for the
-engine's backend, for the verification reference (onnxruntime on the CPU) and for each peer
+engine's backend, for the verification reference (``backends.reference_for``) and for each peer
 backend that tunes beside it."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from compiler_worker import backends
 from compiler_worker.artifact_dir import PLUGINS_DIRNAME
 from compiler_worker.backends.base import Backend
 from compiler_worker.tuner import PeerCustomOps
@@ -33,12 +34,9 @@ from schemas.errors import (
 )
 from schemas.plugins import PluginManifest, PluginRef
 
-__all__ = ["REFERENCE_TARGET", "UsedPlugins", "peer_custom_ops", "prepare_plugins"]
+__all__ = ["UsedPlugins", "peer_custom_ops", "prepare_plugins"]
 
 logger = logging.getLogger(__name__)
-
-#: Where the verification reference runs a model's custom ops.
-REFERENCE_TARGET = ("onnxruntime", "cpu")
 
 
 @dataclass
@@ -52,7 +50,7 @@ class UsedPlugins:
     #: What the backend's build registers for the model's custom ops.
     adapter: CustomOpAdapter | None = None
     ops: set[str] = field(default_factory=set)
-    #: The same plugins loaded for the reference's onnxruntime session.
+    #: The same plugins loaded for the verification reference's runtime.
     reference: list[LoadedPlugin] = field(default_factory=list)
     #: A torch program's custom ops as torch names them (empty for an ONNX model).
     program_ops: set[str] = field(default_factory=set)
@@ -132,12 +130,13 @@ def prepare_plugins(model_ops: set[str], plugins: Sequence[tuple[PluginRef, Path
     result.registry = OpRegistry.union(p.registry for p in result.loaded)
     result.adapter = backend.custom_op_adapter(result.loaded, model_ops)
     result.reference = result.loaded
-    if target != REFERENCE_TARGET:
-        # The reference runs on onnxruntime's CPU provider whatever the engine's backend
-        # (an OpenVINO engine runs the bundle's extension; the reference its onnxruntime
-        # kernels): load those too, by the same checks.
+    reference_target = backends.reference_for("onnx").reference_target
+    if reference_target is not None and target != reference_target:
+        # The reference runs on its own runtime whatever the engine's backend (an OpenVINO
+        # engine runs the bundle's extension; the reference its CPU kernels): load those
+        # too, by the same checks.
         result.reference = [
-            load_bundle(result.paths[p.digest], p.ref, root, target=REFERENCE_TARGET,
+            load_bundle(result.paths[p.digest], p.ref, root, target=reference_target,
                         abi=None, ops=sorted(set(p.ops()) & model_ops))
             for p in result.loaded]
     result.ops = set(model_ops)

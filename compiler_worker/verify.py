@@ -1,22 +1,22 @@
 """Numerics verification: the built engine against a reference, on seeded random inputs.
 
-The reference is the model as submitted (checked, not transformed by any pass) on onnxruntime
-with every graph optimization disabled (``ORT_DISABLE_ALL``). An output element passes when
+The reference runs the model as submitted (checked, not transformed by any pass); the backend
+that is the reference for the model's format provides it (``backends.reference_for``; for ONNX,
+onnxruntime with every graph optimization disabled). An output element passes when
 ``|engine - reference| <= atol + rtol * |reference|``; positions where both are NaN, or both
 the same infinity, agree; any other non-finite difference, a shape mismatch or a missing output
 fails.
 
-A model with custom ops is compared the same way: the reference session registers the same
-plugins' kernels and libraries as the engine (the shared onnxruntime-extensions table holds one
-kernel per op), so verification checks what the engine's optimizations did around them.
-"""
+A model with custom ops is compared the same way: the reference registers the same plugins'
+kernels and libraries as the engine, so verification checks what the engine's optimizations
+did around them."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import onnx
@@ -27,10 +27,6 @@ from runtime_agent.samples import IntegerRange, sample_inputs
 from schemas.errors import CompileError, InvalidOptions, KilnError, ModelCheckFailed
 from schemas.manifest import TensorSpec, VerificationResult
 from schemas.options import CompileOptions
-
-if TYPE_CHECKING:
-    from runtime_agent.plugins import LoadedPlugin
-    from runtime_agent.plugins.onnxruntime import SessionCustomOps
 
 logger = logging.getLogger(__name__)
 
@@ -214,75 +210,6 @@ def verification_result(
         reference=reference,
         per_output={name: s.as_dict() for name, s in stats.items()},
     )
-
-
-class OnnxRuntimeReference:
-    """The reference runner: a model on onnxruntime's CPU provider, optimizations disabled."""
-
-    def __init__(self, model: onnx.ModelProto, output_names: list[str], description: str,
-                 custom_ops: SessionCustomOps | None = None) -> None:
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        options.log_severity_level = 3
-        if custom_ops:
-            custom_ops.apply(options)
-            description += " with the plugins' custom ops"
-        self.session = ort.InferenceSession(
-            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-        )
-        self.output_names = output_names
-        self.name = f"onnxruntime {ort.__version__} CPUExecutionProvider ORT_DISABLE_ALL on " \
-                    f"{description}"
-
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        try:
-            values = self.session.run(self.output_names, dict(inputs))
-        except Exception as exc:  # onnxruntime raises its own untyped errors
-            raise CompileError(
-                f"the reference ({self.name}) cannot run on inputs "
-                f"{ {k: (str(v.dtype), list(v.shape)) for k, v in inputs.items()} }: {exc}"
-            ) from exc
-        return dict(zip(self.output_names, values, strict=True))
-
-
-def reference_custom_ops(plugins: Sequence[LoadedPlugin],
-                         ops: Iterable[str]) -> SessionCustomOps | None:
-    """What the reference session registers for the model's custom ops: the plugins' CPU
-    kernels, whatever backend the engine is built for (the reference always runs on
-    onnxruntime's CPU provider)."""
-    if not plugins:
-        return None
-    from runtime_agent.plugins.onnxruntime import SessionCustomOps
-
-    return SessionCustomOps.resolve(list(plugins), set(ops), "cpu")
-
-
-def reference_runner(
-    submitted: onnx.ModelProto, prepared: onnx.ModelProto, output_names: list[str],
-    custom_ops: SessionCustomOps | None = None,
-) -> OnnxRuntimeReference:
-    """The reference for verification: the submitted model, or — only when onnxruntime cannot
-    load it (an opset older than it supports) — the model after Kiln's passes, which the
-    reference name then says. ``custom_ops`` are registered with its session."""
-    try:
-        return OnnxRuntimeReference(submitted, output_names, "the submitted model", custom_ops)
-    except KilnError:  # the plugins, not the model: nothing to fall back on
-        raise
-    except Exception as exc:  # onnxruntime raises its own untyped errors
-        logger.warning("onnxruntime cannot load the submitted model (%s); the reference is the "
-                       "model after Kiln's passes", exc)
-        try:
-            return OnnxRuntimeReference(
-                prepared, output_names,
-                "the model after Kiln's passes (onnxruntime cannot load the submitted one)",
-                custom_ops,
-            )
-        except Exception as exc2:
-            raise CompileError(
-                f"onnxruntime cannot run the model as a reference: {exc2}"
-            ) from exc2
 
 
 #: Tolerance between a graph and its opset conversion, both run by ``onnx.reference``.

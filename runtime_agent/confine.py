@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from artifact_store.sandbox import accelerator_devices
+from runtime_agent import executors
 
 logger = logging.getLogger(__name__)
 
@@ -167,12 +168,10 @@ def prepare_tmp(cache_dir: Path) -> Path:
 #: The agent's home folder, beneath its cache (``HOME`` once confined).
 HOME_DIRNAME = "home"
 #: Files a runtime reads in the home folder, with the content that keeps it from writing
-#: there: ``import openvino`` initialises OpenVINO's telemetry, which without a consent file
-#: takes consent as given, then reads and writes a client id and usage counts under the home
-#: folder and queues events for the network. The confinement refuses the real home, so the
-#: import failed (PermissionError) and no OpenVINO engine loaded. "0" is the telemetry's own
-#: documented opt-out (what its ``opt_in_out --opt_out`` writes): it then reads this file only.
-HOME_FILES = {"intel/openvino_telemetry": "0"}
+#: there: each executor's ``home_files`` (the confinement refuses the real home, so a runtime
+#: that insists on writing its own would fail to load).
+HOME_FILES = {relative: content for cls in executors.registered_classes()
+              for relative, content in cls.home_files.items()}
 
 
 def prepare_home(cache_dir: Path) -> Path:

@@ -29,6 +29,7 @@ __all__ = [
     "backend_for",
     "get",
     "names",
+    "reference_for",
     "register",
 ]
 
@@ -67,6 +68,17 @@ def available() -> list[Backend]:
 def names() -> list[str]:
     """Registered backend names, highest priority first."""
     return [name for name, _ in sorted(_REGISTRY.items(), key=lambda kv: -kv[1].priority)]
+
+
+def reference_for(model_format: str) -> Backend:
+    """The backend whose runtime is the verification reference for models of
+    ``model_format`` (``Backend.reference_formats``); ``BackendUnavailable`` when none is."""
+    for backend in available():
+        if model_format in backend.reference_formats:
+            return backend
+    raise BackendUnavailable(
+        f"no registered backend is the verification reference for {model_format} models; "
+        f"registered backends are: {names()}", model_format=model_format, registered=names())
 
 
 def backend_for(fingerprint: HardwareFingerprint, options: CompileOptions,

@@ -142,6 +142,11 @@ class Backend(ABC):
     #: worker's declared targets, ``KILN_WORKER_CROSS_TARGETS``): built there, verified by the
     #: node's golden check (``pipeline.runs_here``).
     cross_compiles: ClassVar[bool] = False
+    #: The model formats this technology is the verification reference for: a model of one
+    #: is checked against it whatever backend builds the engine (``backends.reference_for``).
+    reference_formats: ClassVar[frozenset[str]] = frozenset()
+    #: Where that reference runs a model's custom ops: (plugin backend, device).
+    reference_target: ClassVar[tuple[str, str] | None] = None
 
     @property
     def accepts_plugins(self) -> bool:
@@ -200,6 +205,16 @@ class Backend(ABC):
     def plugin_abi(self) -> str | None:
         """The ABI tag native custom-op libraries must match to load with this backend."""
         return self.executor.plugin_abi()
+
+    def reference_runner(self, submitted: Any, prepared: Any, output_names: list[str],
+                         plugins: Sequence[LoadedPlugin] = (),
+                         ops: Iterable[str] = ()) -> Any:
+        """The runner (``name``; ``run(feed) -> outputs``) verification compares engines with:
+        the ``submitted`` model, or ``prepared`` (after Kiln's passes) where the reference
+        cannot load the submitted one, with ``plugins``' kernels for the custom ``ops``. Only
+        a backend with ``reference_formats`` has one."""
+        raise BackendUnavailable(f"backend {self.name!r} is no verification reference",
+                                 backend=self.name)
 
     @abstractmethod
     def toolchain(self) -> str:

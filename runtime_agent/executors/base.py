@@ -103,6 +103,10 @@ class Executor(Technology):
     #: The model platform the Open Inference Protocol reports (Triton's name where one fits;
     #: empty: ``kiln_<backend>``).
     platform: ClassVar[str] = ""
+    #: Files its runtime reads in the home folder (path beneath it → content), written into
+    #: every confined process's own home (``runtime_agent.confine.HOME_FILES``): the opt-outs
+    #: that keep a runtime from writing there.
+    home_files: ClassVar[dict[str, str]] = {}
 
     @classmethod
     @abstractmethod

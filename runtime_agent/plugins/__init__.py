@@ -1,6 +1,7 @@
 """Custom-op plugins in the runtime: the op registry, the kernel interface, bundle loading and
-ABI tags. (The onnxruntime adapter lives in ``runtime_agent.plugins.onnxruntime``; it imports
-onnxruntime-extensions only when a session needs it.)
+ABI tags. Each technology's adapter (what a session registers for a model's custom ops) lives
+in its executor's folder, ``runtime_agent.executors.<tech>.custom_ops``, and is reached through
+the executor class (``Executor.custom_op_adapter``).
 
 An op is named ``domain::OpType``. Its device-free half — the ``OpSpec`` (signature,
 attributes with defaults) and the shape function — is registered apart from its kernels per

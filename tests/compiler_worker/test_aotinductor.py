@@ -18,7 +18,7 @@ import pytest
 from artifact_store.digest import sha256_file
 from compiler_worker import backends
 from compiler_worker.backends import AOTInductorBackend, backend_for
-from compiler_worker.backends.aotinductor import (
+from compiler_worker.backends.aotinductor.backend import (
     check_package_isa,
     forbidden_instructions,
     vector_settings,
@@ -211,7 +211,7 @@ def test_a_torch_without_cpp_march_builds_no_cpu_package(exported, fingerprint, 
                                                           monkeypatch) -> None:
     """Older torch releases have no ``cpp.march``: a CPU package could not be held to an
     x86-64 level, so the build is refused before anything compiles."""
-    from compiler_worker.backends import aotinductor
+    from compiler_worker.backends.aotinductor import backend as aotinductor
 
     monkeypatch.setattr(aotinductor, "_has_march_setting", lambda: False)
     path, _ = exported

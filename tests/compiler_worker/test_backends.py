@@ -174,7 +174,7 @@ def test_large_engines_keep_their_initializers_in_a_second_blob(
         tmp_path: Path, fingerprint: HardwareFingerprint, monkeypatch) -> None:
     """Engines past protobuf's 2 GB limit are saved with external data; the threshold is
     lowered here so a small model takes the same path."""
-    from compiler_worker.backends import onnxruntime as ort_backend
+    from compiler_worker.backends.onnxruntime import backend as ort_backend
     from compiler_worker.pipeline import compile_model, write_artifact_dir
     from runtime_agent.executors import load_executor
 

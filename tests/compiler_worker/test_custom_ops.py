@@ -204,7 +204,7 @@ def test_a_shape_function_that_raises_fails_the_compile_naming_the_op(
                       fingerprint=fingerprint, workdir=tmp_path / "w", plugins=[bundle.plugin])
     assert info.value.code is ErrorCode.PLUGIN_ERROR
     assert plugin_modules() == before
-    from runtime_agent.plugins.onnxruntime import registered_python_ops
+    from runtime_agent.executors.onnxruntime.custom_ops import registered_python_ops
 
     assert f"{domain}::Scale" not in registered_python_ops()
 

@@ -9,10 +9,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from compiler_worker.backends.onnxruntime.reference import OnnxRuntimeReference
 from compiler_worker.inputs import describe_generation, generated_inputs_source, input_ranges
 from compiler_worker.modelio import signature
 from compiler_worker.pipeline import compile_model
-from compiler_worker.verify import OnnxRuntimeReference, random_inputs, verify
+from compiler_worker.verify import random_inputs, verify
 from runtime_agent.samples import INT_HIGH, IntegerRange, describe_inputs, sample_inputs
 from schemas.errors import InvalidModel, InvalidRequest
 from schemas.fingerprint import HardwareFingerprint

@@ -139,7 +139,7 @@ def test_a_module_of_another_release_or_wanting_features_is_refused(
         load_executor(_artifact_dir(tmp_path / "a", other, engine), other)
     # A module compiled with an extension this CPU lacks: one of the x86 table's where this CPU
     # lacks one; on a CPU with them all, an extension no x86 CPU has (a forged manifest).
-    from runtime_agent.executors.iree import X86_TARGET_FEATURES, target_features
+    from runtime_agent.executors.iree.executor import X86_TARGET_FEATURES, target_features
 
     has = set(target_features(here.cpu))
     lacking = sorted({short for short, _ in X86_TARGET_FEATURES.values()} - has) or ["i8mm"]

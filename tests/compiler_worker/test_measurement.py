@@ -24,7 +24,7 @@ from compiler_worker.pipeline import compile_model, plan_build
 from compiler_worker.tuner_measure import Trial
 from kiln.examples import mlp
 from runtime_agent.executors.base import physical_cores
-from runtime_agent.executors.onnxruntime import session_options
+from runtime_agent.executors.onnxruntime.executor import session_options
 from schemas.fingerprint import HardwareFingerprint
 from schemas.jobs import JobStage
 from schemas.options import CompileOptions

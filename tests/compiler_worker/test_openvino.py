@@ -16,10 +16,10 @@ from onnx import TensorProto, helper
 
 from compiler_worker import backends
 from compiler_worker.backends import OpenVinoBackend, backend_for
-from compiler_worker.backends.openvino import onnx_op_names, unconverted_ops
+from compiler_worker.backends.openvino.backend import onnx_op_names, unconverted_ops
 from compiler_worker.pipeline import compile_model, peers_for
 from kiln.examples import mlp, small_cnn
-from runtime_agent.executors.openvino import has_bf16, kernel_features
+from runtime_agent.executors.openvino.executor import has_bf16, kernel_features
 from runtime_agent.fingerprint import detect_fingerprint, older_variant
 from schemas.datasets import NNCF_MIN_CALIBRATION_SAMPLES, check_nncf_calibration
 from schemas.errors import (

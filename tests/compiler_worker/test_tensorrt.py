@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 from compiler_worker.backends.base import Backend
-from compiler_worker.backends.tensorrt import (
+from compiler_worker.backends.tensorrt.backend import (
     TensorRTBackend,
     profile_shapes,
 )

@@ -75,7 +75,7 @@ def test_an_op_the_onnx_exporter_cannot_translate(fingerprint, tmp_path: Path) -
 
 
 def test_exporter_failures_name_the_op() -> None:
-    from compiler_worker.backends.onnxruntime import unexported_op
+    from compiler_worker.backends.onnxruntime.backend import unexported_op
 
     inner = RuntimeError("No ONNX function found for <OpOverload(op='aten.kthvalue', "
                          "overload='default')>. Failure message: ...")
@@ -201,8 +201,8 @@ def test_the_job_goes_on_with_the_other_candidates(tmp_path: Path, fingerprint,
     from compiler_worker import backends
     from compiler_worker.backends import AOTInductorBackend
     from compiler_worker.backends.base import Candidate
+    from runtime_agent.executors.aotinductor.custom_ops import TorchCustomOps
     from runtime_agent.plugins import load_bundle
-    from runtime_agent.plugins.torch import TorchCustomOps
 
     class StrictFirst(AOTInductorBackend):
         """The real backend; the test only puts a no-fallback candidate before the default."""

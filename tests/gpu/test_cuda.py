@@ -222,7 +222,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture
 def bound_pointers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """Records the device pointer of every tensor bound to an engine (the real binding runs)."""
-    from runtime_agent.executors import onnxruntime as ort_executor
+    from runtime_agent.executors.onnxruntime import executor as ort_executor
 
     seen: list[tuple[str, int]] = []
     for method, label in (("bind_device_input", "in"), ("bind_device_output", "out")):
@@ -406,8 +406,8 @@ def test_the_agents_inference_server_answers_from_a_cuda_engine(cuda_engine: Pat
 
 def test_a_plugins_cuda_kernel_through_torch_ops(tmp_path: Path) -> None:
     pytest.importorskip("triton")
+    from runtime_agent.executors.aotinductor.custom_ops import TorchCustomOps
     from runtime_agent.plugins import load_bundle
-    from runtime_agent.plugins.torch import TorchCustomOps
     from tests.plugins.helpers import build_examples, pack
 
     bundle = pack(build_examples.build_swish(tmp_path / "bundles"), tmp_path / "swish.tar")

@@ -21,7 +21,7 @@ import numpy as np
 from kiln.client import KilnClient
 from kiln.stack import EmbeddedStack
 from runtime_agent.executors import node_fingerprint_keys
-from runtime_agent.executors.openvino import has_bf16
+from runtime_agent.executors.openvino.executor import has_bf16
 from runtime_agent.fingerprint import declare_variant, detect_fingerprint
 from schemas import JobStatus
 from schemas.fingerprint import (

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from runtime_agent.executors import OnnxRuntimeExecutor
-from runtime_agent.executors.onnxruntime import onnxruntime_api_version
+from runtime_agent.executors.onnxruntime.executor import onnxruntime_api_version
 from runtime_agent.plugins import (
     AbiMismatch,
     check_abi,

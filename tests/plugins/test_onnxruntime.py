@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
+from runtime_agent.executors.onnxruntime.custom_ops import SessionCustomOps, registered_python_ops
 from runtime_agent.plugins import DuplicateOp, NoImplementation, load_bundle, load_plugin
-from runtime_agent.plugins.onnxruntime import SessionCustomOps, registered_python_ops
 from tests.plugins.helpers import (
     SCALE_MODULE,
     ExampleBundles,

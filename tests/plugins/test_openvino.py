@@ -19,7 +19,7 @@ import pytest
 
 from compiler_worker.pipeline import compile_model, write_artifact_dir
 from runtime_agent.executors import load_executor, load_plugins
-from runtime_agent.executors.openvino import OpenVinoExecutor, abi_number
+from runtime_agent.executors.openvino.executor import OpenVinoExecutor, abi_number
 from runtime_agent.fingerprint import detect_fingerprint
 from runtime_agent.plugins import AbiMismatch, NoImplementation
 from runtime_agent.plugins.abi import check_abi, platform_tag

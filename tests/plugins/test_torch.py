@@ -11,8 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from runtime_agent.executors.aotinductor.custom_ops import (
+    TorchCustomOps,
+    torch_op_name,
+    torch_schema,
+)
 from runtime_agent.plugins import DuplicateOp, NoImplementation, load_bundle, load_plugin
-from runtime_agent.plugins.torch import TorchCustomOps, torch_op_name, torch_schema
 from tests.plugins.helpers import ExampleBundles, scale_plugin
 
 torch = pytest.importorskip("torch")

@@ -20,7 +20,7 @@ from kiln.examples import mlp
 from runtime_agent.agent import Agent
 from runtime_agent.config import AgentSettings
 from runtime_agent.executors import MANIFEST_FILENAME, blob_filename
-from runtime_agent.executors.openvino import OpenVinoExecutor
+from runtime_agent.executors.openvino.executor import OpenVinoExecutor
 from runtime_agent.fingerprint import detect_fingerprint
 from schemas.agents import ModelState
 from schemas.options import CompileOptions

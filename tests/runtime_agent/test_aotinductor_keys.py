@@ -10,7 +10,7 @@ import pytest
 
 from runtime_agent.executors import AOTInductorExecutor as AOTI
 from runtime_agent.executors import node_compatibility_keys, node_fingerprint_keys
-from runtime_agent.executors.aotinductor import cuda_target, torch_cuda_version
+from runtime_agent.executors.aotinductor.executor import cuda_target, torch_cuda_version
 from runtime_agent.fingerprint import older_variant
 from schemas.errors import BackendUnavailable
 from schemas.fingerprint import HardwareFingerprint

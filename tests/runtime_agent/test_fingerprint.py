@@ -258,8 +258,8 @@ def test_detected_fingerprint_carries_gpus_and_cuda(monkeypatch) -> None:
 
 
 def test_tensorrt_version_without_metadata_reads_the_module(monkeypatch) -> None:
-    from runtime_agent.executors import tensorrt as trt_module
-    from runtime_agent.executors.tensorrt import TensorRTExecutor
+    from runtime_agent.executors.tensorrt import executor as trt_module
+    from runtime_agent.executors.tensorrt.executor import TensorRTExecutor
 
     monkeypatch.setattr(trt_module, "package_version", lambda *names: None)
     monkeypatch.setattr(trt_module, "find_spec", lambda name: object())

@@ -12,7 +12,7 @@ from runtime_agent.executors import (
     node_compatibility_keys,
     node_fingerprint_keys,
 )
-from runtime_agent.executors.tensorrt import is_integrated
+from runtime_agent.executors.tensorrt.executor import is_integrated
 from runtime_agent.fingerprint import isa_class
 from tests.runtime_agent.fingerprints_table import (
     GPU_NODES,

@@ -14,7 +14,7 @@ import pytest
 
 from runtime_agent import executors
 from runtime_agent.executors import load_executor
-from runtime_agent.executors.openvino import (
+from runtime_agent.executors.openvino.executor import (
     ENGINE_MEDIA_TYPE,
     OpenVinoExecutor,
     blob_header,

@@ -16,7 +16,7 @@ import pytest
 
 from runtime_agent import executors
 from runtime_agent.executors import TensorRTExecutor, load_executor
-from runtime_agent.executors.tensorrt import device_memory
+from runtime_agent.executors.tensorrt.executor import device_memory
 from schemas.errors import BackendUnavailable
 from tests.runtime_agent.test_executors import make_artifact
 

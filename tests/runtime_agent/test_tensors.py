@@ -75,7 +75,7 @@ def test_an_output_of_unknown_shape_is_left_to_onnxruntime(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     manifest = make_artifact(tmp_path)
     manifest.outputs = [TensorSpec(name="y", dtype="float32", shape=["M", 16])]
-    with caplog.at_level(logging.DEBUG, logger="runtime_agent.executors.onnxruntime"):
+    with caplog.at_level(logging.DEBUG, logger="runtime_agent.executors.onnxruntime.executor"):
         loaded = load_executor(tmp_path, manifest)
     assert "output 'y' has no shape before the run" in caplog.text
     assert "dimension 'M' is not a dimension of any input" in caplog.text

@@ -25,7 +25,7 @@ blob runs only on its exact key.
 
 Custom ops (``runtime_config["custom_ops"]``, one entry per op: ``op``, ``kind`` ``native``,
 ``entry``, ``plugin`` digest, ``abi``): the plugins' OpenVINO extension libraries, added to the
-``Core`` before ``import_model`` (``runtime_agent.plugins.openvino.CoreExtensions``): the blob
+``Core`` before ``import_model`` (``custom_ops.CoreExtensions`` beside this module): the blob
 names the ops, and the CPU plugin rebuilds them from the importing ``Core``'s extensions. The
 bundles were verified against their digests when they loaded; an op that now comes from
 another plugin or library than the one it was built and verified with is refused. Extensions
@@ -110,6 +110,13 @@ class OpenVinoExecutor(OpenVinoRules, Executor):
     media_types = {ENGINE_MEDIA_TYPE: ".ovblob"}
     #: Custom ops from the plugins' OpenVINO extension libraries.
     supports_plugins = True
+    #: ``import openvino`` initialises OpenVINO's telemetry, which without a consent file takes
+    #: consent as given, then reads and writes a client id and usage counts under the home
+    #: folder and queues events for the network. A confined process's real home is refused,
+    #: so the import failed (PermissionError) and no OpenVINO engine loaded. "0" is the
+    #: telemetry's own documented opt-out (what its ``opt_in_out --opt_out`` writes): it then
+    #: reads this file only.
+    home_files = {"intel/openvino_telemetry": "0"}
 
     @classmethod
     def probe_version(cls) -> str | None:
@@ -120,7 +127,7 @@ class OpenVinoExecutor(OpenVinoRules, Executor):
                           device: str) -> CustomOpAdapter | None:
         """The plugins' OpenVINO extension libraries for ``ops`` (``NoImplementation`` for an
         op without one)."""
-        from runtime_agent.plugins.openvino import CoreExtensions
+        from runtime_agent.executors.openvino.custom_ops import CoreExtensions
 
         return CoreExtensions.resolve(list(plugins), set(ops), device)
 
@@ -181,7 +188,7 @@ class OpenVinoExecutor(OpenVinoRules, Executor):
         core = ov.Core()
         custom_ops = list(config.get("custom_ops") or [])  # type: ignore[call-overload]
         if custom_ops:
-            from runtime_agent.plugins.openvino import CoreExtensions
+            from runtime_agent.executors.openvino.custom_ops import CoreExtensions
 
             # Before the import: the blob names the ops, the CPU plugin rebuilds them from
             # this Core's extensions.

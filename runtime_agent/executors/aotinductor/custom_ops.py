@@ -2,7 +2,7 @@
 
 One registry, two frontends. An op declared once in a plugin manifest (``domain::OpType``,
 its signature, attributes and device-free shape function) runs in onnxruntime through
-``runtime_agent.plugins.onnxruntime`` and in PyTorch through this module:
+``runtime_agent.executors.onnxruntime.custom_ops`` and in PyTorch through this module:
 
 - the op becomes ``torch.ops.<namespace>.<OpType>``, the namespace being the domain with
   ``.`` turned into ``_`` (``kiln.examples::Swish`` → ``torch.ops.kiln_examples.Swish``), with

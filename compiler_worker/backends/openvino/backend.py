@@ -44,7 +44,7 @@ Custom ops: from the plugin bundle's OpenVINO extension (a native implementation
 ``openvino``: a library made with ``OPENVINO_CREATE_EXTENSIONS``, its ops as ``ov::op::Op`` and
 their ONNX conversion rules, see docs/custom-ops.md), loaded by the pipeline in the sandboxed
 build like every plugin (digests, ABI tag ``ov-<N>``), added to the ``Core`` before the ONNX
-model is converted (``runtime_agent.plugins.openvino.CoreExtensions``), and recorded in
+model is converted (``runtime_agent.executors.openvino.custom_ops.CoreExtensions``), and recorded in
 ``runtime_config["custom_ops"]``; the executor adds the same library before ``import_model``.
 The engine is verified against the onnxruntime reference run with the bundle's onnxruntime
 kernels. The same holds when OpenVINO races as a peer in another backend's tuning run (an
@@ -77,7 +77,7 @@ from compiler_worker.backends.base import (
     toolchain_string,
 )
 from runtime_agent.executors.base import CustomOpAdapter
-from runtime_agent.executors.openvino import (
+from runtime_agent.executors.openvino.executor import (
     DEVICE,
     ENGINE_MEDIA_TYPE,
     OpenVinoExecutor,
@@ -104,7 +104,7 @@ from schemas.technologies.openvino import (
 if TYPE_CHECKING:
     import numpy as np
 
-    from runtime_agent.plugins.openvino import CoreExtensions
+    from runtime_agent.executors.openvino.custom_ops import CoreExtensions
 
 logger = logging.getLogger(__name__)
 

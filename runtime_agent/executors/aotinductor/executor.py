@@ -89,7 +89,7 @@ class AOTInductorExecutor(AOTInductorRules, Executor):
 
     media_types = {ENGINE_MEDIA_TYPE: ".pt2"}
     #: Custom ops run as torch ops: plugin implementations for backend ``torch``
-    #: (``runtime_agent.plugins.torch``), registered before the package loads.
+    #: (``runtime_agent.executors.aotinductor.custom_ops``), registered before the package loads.
     supports_plugins = True
     plugin_backend = "torch"
 
@@ -98,7 +98,7 @@ class AOTInductorExecutor(AOTInductorRules, Executor):
                           device: str) -> CustomOpAdapter | None:
         """The plugins' ops as torch ops (their ``torch`` kernels for ``device``, fake
         implementations from their shape functions)."""
-        from runtime_agent.plugins.torch import TorchCustomOps
+        from runtime_agent.executors.aotinductor.custom_ops import TorchCustomOps
 
         return TorchCustomOps.resolve(list(plugins), set(ops), [device])
 

@@ -22,7 +22,7 @@
   in the bundle), ``plugin`` (bundle sha256) and, for native ones, ``abi``. Before creating
   its session the executor registers the Python kernels with onnxruntime-extensions (and its
   library) and each native library (``register_custom_ops_library``), from the plugins it was
-  given (``runtime_agent.plugins.onnxruntime.SessionCustomOps``).
+  given (``runtime_agent.executors.onnxruntime.custom_ops.SessionCustomOps``).
 
 Keys and compatibility: ``schemas.technologies.onnxruntime`` (``OnnxRuntimeRules``).
 
@@ -147,7 +147,7 @@ class OnnxRuntimeExecutor(OnnxRuntimeRules, Executor):
                           device: str) -> CustomOpAdapter | None:
         """The plugins' Python kernels (through onnxruntime-extensions) and native libraries,
         registered on a ``SessionOptions`` exactly as the executor does before loading."""
-        from runtime_agent.plugins.onnxruntime import SessionCustomOps
+        from runtime_agent.executors.onnxruntime.custom_ops import SessionCustomOps
 
         return SessionCustomOps.resolve(list(plugins), set(ops), device)
 
@@ -168,7 +168,7 @@ class OnnxRuntimeExecutor(OnnxRuntimeRules, Executor):
         custom_ops = list(config.get("custom_ops") or [])
         device = self.device_for(config)
         if custom_ops:
-            from runtime_agent.plugins.onnxruntime import SessionCustomOps
+            from runtime_agent.executors.onnxruntime.custom_ops import SessionCustomOps
 
             SessionCustomOps.for_artifact(custom_ops, self.plugins, device).apply(options)
         self._run_options = None

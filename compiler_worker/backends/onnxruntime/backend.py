@@ -20,7 +20,7 @@ Candidates (``candidates``), the default first:
   (first and last int8 nodes, those next to a softmax or a normalization) kept in fp32, and
   the most sensitive nodes kept in fp32 (each int8 node's output against the fp32 model's on
   a few calibration feeds, by signal-to-quantization-noise ratio: the nodes that lose the
-  most). The quantization itself lives in ``compiler_worker.backends.onnxruntime_int8``;
+  most). The quantization itself lives in ``compiler_worker.backends.onnxruntime.int8``;
 - ``bf16-fastmath`` on aarch64 CPUs with bf16 instructions (MLAS's bf16 GEMM). onnxruntime's
   CPU provider has no bf16 or fp16 GEMM on x86-64, so those candidates are recorded as
   skipped there rather than built as something else.
@@ -68,7 +68,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,9 +79,15 @@ from compiler_worker.backends.base import (
     major_minor,
     toolchain_string,
 )
-from compiler_worker.backends.onnxruntime_int8 import quantize as quantize_int8
+from compiler_worker.backends.onnxruntime.int8 import quantize as quantize_int8
+from compiler_worker.backends.onnxruntime.reference import (
+    REFERENCE_TARGET,
+    OnnxRuntimeReference,
+    reference_custom_ops,
+    reference_runner,
+)
 from runtime_agent.executors.base import CustomOpAdapter
-from runtime_agent.executors.onnxruntime import (
+from runtime_agent.executors.onnxruntime.executor import (
     ENGINE_MEDIA_TYPE,
     OnnxRuntimeExecutor,
 )
@@ -100,6 +106,8 @@ from schemas.tuning import ThreadPolicy
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from runtime_agent.plugins import LoadedPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +170,14 @@ class OnnxRuntimeBackend(Backend):
     priority = 10
     device = "cpu"
     converts = frozenset({"torch-export"})
+    reference_formats = frozenset({"onnx"})
+    reference_target = REFERENCE_TARGET
+
+    def reference_runner(self, submitted: Any, prepared: Any, output_names: list[str],
+                         plugins: Sequence[LoadedPlugin] = (),
+                         ops: Iterable[str] = ()) -> OnnxRuntimeReference:
+        return reference_runner(submitted, prepared, output_names,
+                                custom_ops=reference_custom_ops(plugins, ops))
 
     @property
     def model_formats(self) -> frozenset[str]:  # type: ignore[override]

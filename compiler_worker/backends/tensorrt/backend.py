@@ -38,7 +38,7 @@ from compiler_worker.backends.base import (
     version_tuple,
 )
 from runtime_agent.executors.base import CustomOpAdapter
-from runtime_agent.executors.tensorrt import (
+from runtime_agent.executors.tensorrt.executor import (
     ENGINE_MEDIA_TYPE,
     HARDWARE_COMPATIBILITY_LEVELS,
     TensorRTExecutor,

@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from compiler_worker.backends.base import Backend, BuiltEngine, Candidate, toolchain_string
-from runtime_agent.executors.aotinductor import ENGINE_MEDIA_TYPE, AOTInductorExecutor
+from runtime_agent.executors.aotinductor.executor import ENGINE_MEDIA_TYPE, AOTInductorExecutor
 from runtime_agent.executors.base import CustomOpAdapter
 from runtime_agent.fingerprint import detect_cpu, isa_class, major_minor
 from schemas.errors import BackendUnavailable, CompileError, FingerprintMismatch

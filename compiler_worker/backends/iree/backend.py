@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from compiler_worker.backends.base import Backend, BuiltEngine, Candidate, toolchain_string
 from runtime_agent.executors.base import CustomOpAdapter
-from runtime_agent.executors.iree import ENGINE_MEDIA_TYPE, IreeExecutor
+from runtime_agent.executors.iree.executor import ENGINE_MEDIA_TYPE, IreeExecutor
 from runtime_agent.fingerprint import detect_cpu, isa_class, major_minor, package_version
 from schemas.errors import BackendUnavailable, CompileError, FingerprintMismatch, TimedOut
 from schemas.fingerprint import HardwareFingerprint
