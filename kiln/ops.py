@@ -60,7 +60,14 @@ from runtime_agent.plugins import (
     split_op,
 )
 from schemas.errors import InvalidRequest
-from schemas.plugins import AttributeSpec, Implementation, OpSpec, PluginManifest, TensorArg
+from schemas.plugins import (
+    DEFAULT_PLUGIN_BACKEND,
+    AttributeSpec,
+    Implementation,
+    OpSpec,
+    PluginManifest,
+    TensorArg,
+)
 
 __all__ = [
     "AbiMismatch",
@@ -134,7 +141,7 @@ class CustomOp:
         self.shape_function = function
         return function
 
-    def register_kernel(self, backend: str = "onnxruntime",
+    def register_kernel(self, backend: str = DEFAULT_PLUGIN_BACKEND,
                         device: str = "cpu") -> Callable[[Kernel], Kernel]:
         """Decorator: the Python kernel ``(ctx, inputs, outputs, attributes) -> None`` for
         ``backend``/``device``. A second kernel for the same target raises ``DuplicateOp``."""
@@ -164,7 +171,7 @@ class CustomOp:
                                        resolve_attributes(self.spec, attributes))
 
     def run(self, inputs: Sequence[Any], attributes: Mapping[str, Any] | None = None, *,
-            backend: str = "onnxruntime", device: str = "cpu") -> list[np.ndarray]:
+            backend: str = DEFAULT_PLUGIN_BACKEND, device: str = "cpu") -> list[np.ndarray]:
         """Run the kernel for ``backend``/``device`` on ``inputs`` (numpy arrays or DLPack
         tensors) exactly as a runtime would: outputs pre-allocated from the shape function."""
         definition = self.definition()
@@ -177,11 +184,11 @@ class CustomOp:
         return invoke_kernel(definition, kernel, list(inputs), dict(attributes or {}))
 
     def __call__(self, *inputs: Any, **attributes: Any) -> Any:
-        """Run the CPU kernel (onnxruntime's, else any) on numpy inputs; one output is
-        returned as an array, several as a tuple."""
+        """Run the CPU kernel (the default plugin backend's, else any) on numpy inputs; one
+        output is returned as an array, several as a tuple."""
         cpu = [target for target in self.kernels if target[1] == "cpu"]
-        target = ("onnxruntime", "cpu") if ("onnxruntime", "cpu") in cpu else (
-            cpu[0] if cpu else ("onnxruntime", "cpu"))
+        default = (DEFAULT_PLUGIN_BACKEND, "cpu")
+        target = default if default in cpu else (cpu[0] if cpu else default)
         outputs = self.run(inputs, attributes, backend=target[0], device=target[1])
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
@@ -211,8 +218,8 @@ def custom_op(
     return CustomOp(spec)
 
 
-def call(plugin: LoadedPlugin | OpRegistry, op: str, *inputs: Any, backend: str = "onnxruntime",
-         device: str = "cpu", **attributes: Any) -> Any:
+def call(plugin: LoadedPlugin | OpRegistry, op: str, *inputs: Any,
+         backend: str = DEFAULT_PLUGIN_BACKEND, device: str = "cpu", **attributes: Any) -> Any:
     """Run ``op`` of a loaded plugin folder (``load_plugin``) on numpy inputs, as a runtime
     would; one output as an array, several as a tuple."""
     registry = plugin.registry if isinstance(plugin, LoadedPlugin) else plugin

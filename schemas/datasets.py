@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
+from schemas import technologies
 from schemas.errors import InvalidOptions, InvalidRequest
 from schemas.manifest import TensorSpec
 from schemas.options import CompileOptions, Precision
@@ -218,24 +219,25 @@ def check_dataset_fits(
 #: quantizers by how much each moves the metric sample by sample, and a handful of samples
 #: cannot rank them; the min/max statistics of post-training quantization are as thin.
 NNCF_MIN_CALIBRATION_SAMPLES = 16
-#: The backend whose int8 candidates calibrate with NNCF.
-NNCF_BACKEND = "openvino"
 
 
 def check_nncf_calibration(options: CompileOptions, samples: int, *, dataset_id: str,
                            role: str) -> None:
     """Refuse (``InvalidOptions``) a dataset of ``samples`` samples that would calibrate
     NNCF's int8 quantization with fewer than ``NNCF_MIN_CALIBRATION_SAMPLES``: when the
-    options name only the backend that uses NNCF and allow int8 (``precision`` ``auto`` or
-    ``int8``). ``role`` says which option calibrates (``calibration``, or ``samples`` when no
-    calibration dataset is named). Where other backends may build too, their int8 candidates
-    take small sets, and OpenVINO's record the same reason instead of failing the submit."""
-    if list(options.backends) != [NNCF_BACKEND] or options.precision not in (
-            Precision.AUTO, Precision.INT8):
+    options name only a backend that uses NNCF (``Technology.calibrates_with_nncf``) and
+    allow int8 (``precision`` ``auto`` or ``int8``). ``role`` says which option calibrates
+    (``calibration``, or ``samples`` when no calibration dataset is named). Where other
+    backends may build too, their int8 candidates take small sets, and OpenVINO's record the
+    same reason instead of failing the submit."""
+    named = list(options.backends)
+    if (len(named) != 1 or named[0] not in technologies.registered()
+            or not technologies.get(named[0]).calibrates_with_nncf
+            or options.precision not in (Precision.AUTO, Precision.INT8)):
         return
     if samples < NNCF_MIN_CALIBRATION_SAMPLES:
         raise InvalidOptions(
-            f"options.{role}: dataset {dataset_id} holds {samples} samples; {NNCF_BACKEND}'s "
+            f"options.{role}: dataset {dataset_id} holds {samples} samples; {named[0]}'s "
             f"int8 calibration (NNCF) needs at least {NNCF_MIN_CALIBRATION_SAMPLES}. Upload a "
             f"calibration dataset with {NNCF_MIN_CALIBRATION_SAMPLES} or more samples, or use "
             f"precision fp32 or bf16", dataset_id=dataset_id, option=role,

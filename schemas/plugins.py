@@ -19,6 +19,7 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from schemas import technologies
 from schemas._versioned import parse_version, validate_versioned, version_field
 
 PLUGIN_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
@@ -28,6 +29,8 @@ SHA256_PATTERN = r"^[0-9a-f]{64}$"
 PLUGIN_SCHEMA_VERSION = "1.1"
 #: Model formats an OpenVINO extension may have front-end conversion rules for.
 Frontend = Literal["onnx", "torch-export"]
+#: The backend an implementation is for when it names none.
+DEFAULT_PLUGIN_BACKEND = technologies.default_plugin_backend()
 #: ``module:function`` inside the bundle.
 ENTRY_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$"
 
@@ -91,7 +94,7 @@ class Implementation(BaseModel):
 
     #: ``domain::OpType`` of the ops this implements.
     ops: list[str] = Field(min_length=1)
-    backend: str = "onnxruntime"
+    backend: str = DEFAULT_PLUGIN_BACKEND
     device: str = "cpu"
     kind: Literal["python", "native"]
     #: python: ``module:function`` (the kernel); native: the library's path in the bundle.
@@ -110,11 +113,14 @@ class Implementation(BaseModel):
         if self.kind == "native" and not self.abi:
             raise ValueError("a native implementation must declare its abi "
                              "(e.g. linux-x86_64/ort-api-17)")
-        if self.backend == "openvino" and self.kind == "native" and not self.frontends:
+        names_frontends = (self.backend in technologies.registered()
+                           and technologies.get(self.backend).plugin_frontends)
+        if names_frontends and self.kind == "native" and not self.frontends:
             raise ValueError(
-                f"the openvino extension {self.entry!r} must name the front ends it converts "
-                f"its ops for (frontends: [\"onnx\"] for ov::frontend::onnx::OpExtension)")
-        if self.frontends and self.backend != "openvino":
+                f"the {self.backend} extension {self.entry!r} must name the front ends it "
+                f"converts its ops for (frontends: [\"onnx\"] for "
+                f"ov::frontend::onnx::OpExtension)")
+        if self.frontends and not names_frontends:
             raise ValueError(f"frontends names OpenVINO front ends; implementation "
                              f"{self.entry!r} is for backend {self.backend!r}")
         return self

@@ -25,6 +25,7 @@ __all__ = [
     "OpenVinoRules",
     "Technology",
     "TensorRTRules",
+    "default_plugin_backend",
     "get",
     "node_compatibility_keys",
     "node_fingerprint_keys",
@@ -75,6 +76,13 @@ def registered() -> list[str]:
 def registered_classes() -> list[type[Technology]]:
     """The technologies, most preferred first."""
     return sorted(_REGISTRY.values(), key=lambda cls: (-cls.preference, cls.backend))
+
+
+def default_plugin_backend() -> str:
+    """The backend a custom-op implementation is for when it names none
+    (``Technology.default_plugin_target``)."""
+    (found,) = [name for name, cls in _REGISTRY.items() if cls.default_plugin_target]
+    return found
 
 
 def node_fingerprint_keys(fingerprint: HardwareFingerprint) -> dict[str, str]:

@@ -69,6 +69,15 @@ class Technology(ABC):
     #: The CPU features this backend's candidates read (which of them a node has can change
     #: the winner: its own tuning is worth a build); none by default.
     tuning_features: ClassVar[tuple[str, ...]] = ()
+    #: Whether a custom-op implementation that names no backend is for this one (a plugin's
+    #: Python kernels, ``kiln.ops``' kernels): the verification reference's runtime.
+    default_plugin_target: ClassVar[bool] = False
+    #: Whether its native custom-op libraries carry front-end conversion rules and must name
+    #: the model formats they convert (``Implementation.frontends``).
+    plugin_frontends: ClassVar[bool] = False
+    #: Whether its int8 candidates calibrate with NNCF, which needs
+    #: ``schemas.datasets.NNCF_MIN_CALIBRATION_SAMPLES`` samples.
+    calibrates_with_nncf: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod

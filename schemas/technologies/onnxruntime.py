@@ -42,6 +42,7 @@ class OnnxRuntimeRules(Technology):
     backend = "onnxruntime"
     runtime = "onnxruntime"
     preference = 10
+    default_plugin_target = True
     #: int8 candidates read the int8 dot-product features (``reduce_range`` off with one),
     #: bf16 candidates Arm's bf16.
     tuning_features = (*INT8_DOT_FEATURES, "bf16")

@@ -68,6 +68,8 @@ class OpenVinoRules(Technology):
     preference = 8
     #: Its candidates race onnxruntime's in onnxruntime's job; a job of its own only when named.
     joins_as_peer = True
+    plugin_frontends = True
+    calibrates_with_nncf = True
 
     @classmethod
     def supports(cls, fingerprint: HardwareFingerprint) -> bool:
