@@ -24,7 +24,7 @@ lint: install
 	$(BIN)/lint-imports
 
 test: lint
-	$(BIN)/pytest -q -p no:cacheprovider --durations=25
+	$(BIN)/pytest -q -p no:cacheprovider --durations=25 -n auto --maxprocesses=4 --dist loadfile
 
 bench: install
 	$(BIN)/python bench/submit_to_artifact.py

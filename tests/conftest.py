@@ -28,7 +28,50 @@ REQUIRE_SERVICES = os.environ.get("KILN_REQUIRE_SERVICES") == "1"
 PG_ADMIN_URL = os.environ.get(
     "KILN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
-REDIS_URL = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+#: pytest-xdist's worker of this process ("gw0", "gw1", ...; none when the run is serial).
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_XDIST_INDEX = int(XDIST_WORKER[2:]) if XDIST_WORKER.startswith("gw") else 0
+
+
+def _redis_databases() -> tuple[str, int]:
+    """The Redis URL the tests use directly, and the database number whole stacks flush when
+    they start. Workers of a parallel run share one Redis server, and Celery queue names are
+    fixed, so each worker takes the next pair of databases after the configured ones."""
+    base = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    server, _, number = base.rpartition("/")
+    url_db = int(number or 0)
+    stack_db = int(os.environ.get("KILN_TEST_REDIS_DB", str(url_db + 1)))
+    return f"{server}/{url_db + 2 * _XDIST_INDEX}", stack_db + 2 * _XDIST_INDEX
+
+
+REDIS_URL, REDIS_STACK_DB = _redis_databases()
+
+
+#: Test files whose stacks, compiles and trials take the longest, in the order a parallel run
+#: (``pytest -n``, whole files per worker) starts them: started last, one of them would run
+#: alone on one worker after the other has finished. Files not named keep their order, after.
+SLOW_FIRST = (
+    "tests/integration/test_compile_flow.py",
+    "tests/conformance/",
+    "tests/integration/test_recovery_trials.py",
+    "tests/integration/test_crossbackend.py",
+    "tests/runtime_agent/test_agent_trust.py",
+    "tests/integration/",
+    "tests/compiler_worker/test_aotinductor.py",
+    "tests/services/api/test_rollouts.py",
+    "tests/compiler_worker/test_pipeline.py",
+    "tests/kiln/",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not XDIST_WORKER:
+        return  # a serial run keeps the collection order
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return next((i for i, prefix in enumerate(SLOW_FIRST) if path.startswith(prefix)),
+                    len(SLOW_FIRST))
+    items.sort(key=rank)  # stable: tests keep their order within a file
 
 
 def service_missing(what: str, why: object) -> None:

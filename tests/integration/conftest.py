@@ -3,7 +3,6 @@ a blob store, on loopback."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 from kiln.client import KilnClient
 from kiln.stack import EmbeddedStack
 from schemas.options import CompileOptions
-from tests.conftest import free_port, migrated_sqlite
+from tests.conftest import REDIS_STACK_DB, free_port, migrated_sqlite
 
 #: Options for the builds of tests about something other than tuning: one candidate instead of
 #: every configuration the tuner would try (tuning, under test in ``test_compile_flow`` and
@@ -22,8 +21,9 @@ from tests.conftest import free_port, migrated_sqlite
 UNTUNED = CompileOptions(tune="off")
 
 # Integration stacks flush this Redis database when they start. Runs that share one Redis
-# (several checkouts tested side by side) give each its own number.
-REDIS_TEST_DB = int(os.environ.get("KILN_TEST_REDIS_DB", "11"))
+# (several checkouts tested side by side) give each its own number (KILN_TEST_REDIS_DB), and
+# each worker of a parallel run its own (tests.conftest).
+REDIS_TEST_DB = REDIS_STACK_DB
 
 
 def wait_for_worker(client: KilnClient, timeout_s: float = 60,
