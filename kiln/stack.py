@@ -235,18 +235,27 @@ class EmbeddedStack:
         """SIGTERM to each process, which stops its own children (a worker's pool, the API's
         processes); the whole process group is killed only past ``timeout_s``. Signalled as a
         group, a worker's pool processes died beside their parent, which logged each as an
-        ERROR ("exited with signal 15") on every normal stop."""
-        for proc in self.processes:
+        ERROR ("exited with signal 15") on every normal stop.
+
+        The API (the first process) stops last: a worker records its shutdown through it and
+        an agent its last heartbeat, and with the API gone first each retried until it gave
+        up, which held every stop for seconds and left the worker shown as live."""
+        deadline = time.monotonic() + timeout_s
+        self._terminate(self.processes[1:], deadline)
+        self._terminate(self.processes[:1], deadline)
+        self.processes.clear()
+
+    @staticmethod
+    def _terminate(processes: list[subprocess.Popen], deadline: float) -> None:
+        for proc in processes:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for proc in self.processes:
+        for proc in processes:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        self.processes.clear()
 
     def __enter__(self) -> EmbeddedStack:
         self.start()
