@@ -37,12 +37,7 @@ THIRD_PARTY: dict[str, tuple[str, ...]] = {
     "aotinductor": ("torch._inductor",),
 }
 #: (module, technology) → why it still names the technology. Only shrinks.
-PENDING: dict[tuple[str, str], str] = {
-    ("kiln/demo.py", "onnxruntime"): (
-        "the demo checks the served answer against onnxruntime itself: kiln.demo may import "
-        "neither the worker (whose backend folder holds the reference) nor the control plane, "
-        "and the runtime side has no reference to lend it yet"),
-}
+PENDING: dict[tuple[str, str], str] = {}
 
 
 def own_places(tech: str) -> tuple[str, ...]:

@@ -49,6 +49,7 @@ __all__ = [
     "node_compatibility_keys",
     "node_fingerprint_keys",
     "peer_backends",
+    "reference_for",
     "register",
     "registered",
     "registered_classes",
@@ -97,6 +98,17 @@ def get(name: str) -> type[Executor]:
 def registered() -> list[str]:
     """Backend names that have an executor here."""
     return sorted(_REGISTRY)
+
+
+def reference_for(model_format: str) -> type[Executor]:
+    """The executor whose runtime is the reference for models of ``model_format``
+    (``Executor.reference_formats``); ``BackendUnavailable`` when none is."""
+    for cls in registered_classes():
+        if model_format in cls.reference_formats:
+            return cls
+    raise BackendUnavailable(
+        f"no registered executor is the reference for {model_format} models; registered "
+        f"backends are: {registered()}", model_format=model_format, registered=registered())
 
 
 def registered_classes() -> list[type[Executor]]:

@@ -107,6 +107,9 @@ class Executor(Technology):
     #: every confined process's own home (``runtime_agent.confine.HOME_FILES``): the opt-outs
     #: that keep a runtime from writing there.
     home_files: ClassVar[dict[str, str]] = {}
+    #: Model formats whose reference this runtime is (the model as submitted, unoptimized):
+    #: ``reference`` gives a runner; ``runtime_agent.executors.reference_for`` finds it.
+    reference_formats: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     @abstractmethod
@@ -120,6 +123,12 @@ class Executor(Technology):
         """What a build (and a load) registers so that the runtime finds the custom ops
         ``ops`` of ``plugins`` on ``device``; ``None`` when the backend runs no plugins."""
         return None
+
+    @classmethod
+    def reference(cls, model: Any, output_names: list[str], description: str) -> Any:
+        """A runner (``.run(inputs) -> outputs``, ``.name``) of ``model`` as submitted, for a
+        technology whose ``reference_formats`` name its format."""
+        raise NotImplementedError(f"{cls.backend} is the reference for no model format")
 
     @classmethod
     def plugin_abi(cls) -> str | None:

@@ -2,18 +2,20 @@
 CPU provider with every graph optimization disabled (``ORT_DISABLE_ALL``), with the plugins'
 CPU kernels registered for its custom ops. ``compiler_worker.verify`` compares an engine with
 whatever runner this gives; the pipeline finds it through the backend registry
-(``backends.reference_for``), so nothing else names the runtime.
+(``backends.reference_for``), so nothing else names the runtime. The runner itself is the run
+side's (``runtime_agent.executors.onnxruntime.reference``); this adds what only a build has:
+the plugins' kernels and the fallback to the model after Kiln's passes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
 import onnx
 
+from runtime_agent.executors.onnxruntime.reference import OnnxRuntimeReference
 from schemas.errors import CompileError, KilnError
 
 if TYPE_CHECKING:
@@ -27,37 +29,6 @@ logger = logging.getLogger(__name__)
 
 #: Where the verification reference runs a model's custom ops: (plugin backend, device).
 REFERENCE_TARGET = ("onnxruntime", "cpu")
-
-
-class OnnxRuntimeReference:
-    """The reference runner: a model on onnxruntime's CPU provider, optimizations disabled."""
-
-    def __init__(self, model: onnx.ModelProto, output_names: list[str], description: str,
-                 custom_ops: SessionCustomOps | None = None) -> None:
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        options.log_severity_level = 3
-        if custom_ops:
-            custom_ops.apply(options)
-            description += " with the plugins' custom ops"
-        self.session = ort.InferenceSession(
-            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-        )
-        self.output_names = output_names
-        self.name = f"onnxruntime {ort.__version__} CPUExecutionProvider ORT_DISABLE_ALL on " \
-                    f"{description}"
-
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        try:
-            values = self.session.run(self.output_names, dict(inputs))
-        except Exception as exc:  # onnxruntime raises its own untyped errors
-            raise CompileError(
-                f"the reference ({self.name}) cannot run on inputs "
-                f"{ {k: (str(v.dtype), list(v.shape)) for k, v in inputs.items()} }: {exc}"
-            ) from exc
-        return dict(zip(self.output_names, values, strict=True))
 
 
 def reference_custom_ops(plugins: Sequence[LoadedPlugin],

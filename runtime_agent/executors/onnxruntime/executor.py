@@ -47,6 +47,7 @@ from schemas.technologies.onnxruntime import OnnxRuntimeRules
 from schemas.tuning import ThreadPolicy
 
 if TYPE_CHECKING:
+    from runtime_agent.executors.onnxruntime.reference import OnnxRuntimeReference
     from runtime_agent.plugins import LoadedPlugin
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,14 @@ class OnnxRuntimeExecutor(OnnxRuntimeRules, Executor):
     media_types = {ENGINE_MEDIA_TYPE: ".onnx"}
     supports_plugins = True
     binds_device_memory = True
+    reference_formats = frozenset({"onnx"})
+
+    @classmethod
+    def reference(cls, model: Any, output_names: list[str],
+                  description: str) -> OnnxRuntimeReference:
+        from runtime_agent.executors.onnxruntime.reference import OnnxRuntimeReference
+
+        return OnnxRuntimeReference(model, output_names, description)
 
     @classmethod
     def probe_version(cls) -> str | None:
