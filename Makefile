@@ -23,8 +23,11 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
+# Whole files per test process, the slowest first (tests/conftest.py). A test process that
+# dies ends the run at once, naming its test: under --dist loadfile, xdist's replacement of a
+# crashed process can wait forever for work that is never sent.
 test: lint
-	$(BIN)/pytest -q -p no:cacheprovider --durations=25 -n auto --maxprocesses=4 --dist loadfile
+	$(BIN)/pytest -q -p no:cacheprovider --durations=25 -n auto --maxprocesses=4 --dist loadfile --max-worker-restart=0
 
 bench: install
 	$(BIN)/python bench/submit_to_artifact.py

@@ -347,33 +347,78 @@ def settings(tmp_path: Path) -> KilnSettings:
     return make_settings(tmp_path, desired_state_cache_s=30)
 
 
-def test_500_held_long_polls_hold_no_thread_each(settings):
-    """500 agents holding long-polls on a real server (uvicorn, as `kiln api` runs it): all
-    held at once by one API process with far fewer threads than requests, and all answered
-    204 when their wait ends."""
+#: The API of ``test_500_held_long_polls_hold_no_thread_each``, in a process of its own as
+#: ``kiln api`` runs it (uvicorn on its main thread). It writes how many long-polls its hub
+#: holds and how many threads it runs, every tenth of a second, for the test to read.
+_SERVER = """
+import json, pickle, sys, threading, time
+from pathlib import Path
+import uvicorn
+from services.api.app import create_app
+
+settings = pickle.loads(Path(sys.argv[1]).read_bytes())
+port, report = int(sys.argv[2]), Path(sys.argv[3])
+app = create_app(settings)
+
+def watch():
+    while True:
+        hub = getattr(app.state, "desired_hub", None)
+        if hub is not None:
+            tmp = report.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"held": hub.waiting(),
+                                       "threads": threading.active_count()}))
+            tmp.replace(report)
+        time.sleep(0.1)
+
+threading.Thread(target=watch, daemon=True).start()
+uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+"""
+
+
+def test_500_held_long_polls_hold_no_thread_each(settings, tmp_path: Path):
+    """500 agents holding long-polls on a real server (uvicorn in a process of its own, as
+    `kiln api` runs it): all held at once by one API process with far fewer threads than
+    requests, and all answered 204 when their wait ends. Its own process, too, so that the
+    test reads the server only over HTTP and a crash of the server fails this test alone."""
     import asyncio
+    import json
+    import os
+    import pickle
     import resource
-    import threading
+    import subprocess
+    import sys
 
     import httpx
-    import uvicorn
 
     from tests.conftest import free_port
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
-    app = create_app(settings)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    (tmp_path / "settings.pickle").write_bytes(pickle.dumps(settings))
+    report, port = tmp_path / "hub.json", free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", _SERVER, str(tmp_path / "settings.pickle"), str(port),
+         str(report)], cwd=Path(__file__).resolve().parents[3],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])})
+
+    def hub() -> dict[str, int]:
+        try:
+            return json.loads(report.read_text())
+        except (FileNotFoundError, ValueError):
+            return {"held": 0, "threads": 0}
+
     url, admin = f"http://127.0.0.1:{port}", {"Authorization": bearer()}
     try:
-        deadline = time.monotonic() + 20
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert server.started, "the API did not start"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"the API did not start (exit status {server.poll()})")
         names = [f"n{i:03d}" for i in range(500)]
         with httpx.Client(base_url=url, headers=admin, timeout=30) as http:
             for i, name in enumerate(names):
@@ -388,18 +433,23 @@ def test_500_held_long_polls_hold_no_thread_each(settings):
                 tasks = [asyncio.create_task(client.get(
                     f"/v1/agents/{n}/desired-state", params={"after": digests[n], "wait": 12}))
                     for n in names]
-                hub, until = app.state.desired_hub, time.monotonic() + 10
-                while hub.waiting() < len(names) and time.monotonic() < until:
+                until = time.monotonic() + 10
+                while hub()["held"] < len(names) and time.monotonic() < until:
                     await asyncio.sleep(0.1)
-                held, threads = hub.waiting(), threading.active_count()
+                await asyncio.sleep(0.2)  # a report written after the last long-poll was held
+                seen = hub()
                 answers = await asyncio.gather(*tasks)
-            return held, threads, answers
+            return seen["held"], seen["threads"], answers
 
         held, threads, answers = asyncio.run(hold())
+        assert server.poll() is None, f"the API exited with status {server.returncode}"
     finally:
-        app.state.desired_hub.close()
-        server.should_exit = True
-        thread.join(20)
+        server.terminate()
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
     assert held == 500, f"{held} of 500 long-polls held"
     assert threads < 100, f"{threads} threads while 500 long-polls were held"
     assert [r.status_code for r in answers] == [204] * 500
