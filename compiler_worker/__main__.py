@@ -13,14 +13,14 @@ from typing import Annotated
 from urllib.parse import urlsplit, urlunsplit
 
 import typer
-from rich.console import Console
 
+from schemas.console import consoles
 from schemas.errors import ConfigError, KilnError
 from schemas.exit_codes import exit_code
 from schemas.settings_table import effective, log_effective, variables_of
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
-err = Console(stderr=True)
+_, err = consoles()
 
 #: Seconds the broker has to answer at start-up.
 BROKER_TIMEOUT_S = 5.0

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
+from schemas.console import consoles
 from schemas.errors import ErrorCode, KilnError
 from schemas.exit_codes import EXIT_CODES, USAGE, run_reporting_errors
 from schemas.settings_table import effective, log_effective, variables_of
@@ -26,8 +26,7 @@ keys_app = typer.Typer(no_args_is_help=True, help="The control plane's signing k
 app.add_typer(store_app, name="store")
 app.add_typer(keys_app, name="keys")
 
-console = Console()
-err = Console(stderr=True)
+console, err = consoles()
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON (every field)")]
 
 

@@ -31,6 +31,11 @@ PG_ADMIN_URL = os.environ.get(
 #: pytest-xdist's worker of this process ("gw0", "gw1", ...; none when the run is serial).
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 _XDIST_INDEX = int(XDIST_WORKER[2:]) if XDIST_WORKER.startswith("gw") else 0
+# The commands the tests start write into pipes, where Kiln folds no line; a terminal size in
+# the environment (xdist gives its workers COLUMNS=80) would make them fold at its width.
+# Tests about a width set one themselves.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 
 
 def _redis_databases() -> tuple[str, int]:

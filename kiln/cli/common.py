@@ -8,14 +8,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from kiln.client import KilnClient
 from schemas import CompileOptions, Precision
+from schemas.console import consoles
 from schemas.options import Portability, Tune
 
-console = Console()
-err = Console(stderr=True)
+console, err = consoles()
 
 ApiUrl = Annotated[str | None, typer.Option("--api", envvar="KILN_API_URL", help="API URL")]
 Token = Annotated[str | None, typer.Option("--token", envvar="KILN_TOKEN", help="bearer token")]
