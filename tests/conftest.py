@@ -18,8 +18,9 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float = 15.0, what: str = "") -> None:
+    """Poll ``predicate`` until it is true; an ``AssertionError`` naming ``what`` past
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}")
+        time.sleep(0.02)
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -39,23 +38,10 @@ from schemas.errors import ErrorBody, ErrorCode
 from schemas.manifest import ArtifactManifest, BlobRef
 from schemas.options import CompileOptions
 from schemas.rollouts import RolloutReport
+from tests.conftest import free_port, wait_for  # noqa: F401  (wait_for: the agent tests import it from here)
 
 FAST = CompileOptions(verify_samples=2, benchmark_iterations=3, tune="off")
 TOKEN = "agent-test-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate: Callable[[], object], timeout_s: float = 15.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or predicate}")
-        time.sleep(0.02)
 
 
 @dataclass

@@ -347,39 +347,12 @@ def settings(tmp_path: Path) -> KilnSettings:
     return make_settings(tmp_path, desired_state_cache_s=30)
 
 
-#: The API of ``test_500_held_long_polls_hold_no_thread_each``, in a process of its own as
-#: ``kiln api`` runs it (uvicorn on its main thread). It writes how many long-polls its hub
-#: holds and how many threads it runs, every tenth of a second, for the test to read.
-_SERVER = """
-import json, pickle, sys, threading, time
-from pathlib import Path
-import uvicorn
-from services.api.app import create_app
-
-settings = pickle.loads(Path(sys.argv[1]).read_bytes())
-port, report = int(sys.argv[2]), Path(sys.argv[3])
-app = create_app(settings)
-
-def watch():
-    while True:
-        hub = getattr(app.state, "desired_hub", None)
-        if hub is not None:
-            tmp = report.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"held": hub.waiting(),
-                                       "threads": threading.active_count()}))
-            tmp.replace(report)
-        time.sleep(0.1)
-
-threading.Thread(target=watch, daemon=True).start()
-uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
-"""
-
-
 def test_500_held_long_polls_hold_no_thread_each(settings, tmp_path: Path):
     """500 agents holding long-polls on a real server (uvicorn in a process of its own, as
     `kiln api` runs it): all held at once by one API process with far fewer threads than
-    requests, and all answered 204 when their wait ends. Its own process, too, so that the
-    test reads the server only over HTTP and a crash of the server fails this test alone."""
+    requests, and all answered 204 when their wait ends. The server writes its hub's figures
+    to a file (``long_poll_server``); in a process of its own, a crash of the server fails
+    this test alone instead of the test process."""
     import asyncio
     import json
     import os
@@ -390,16 +363,17 @@ def test_500_held_long_polls_hold_no_thread_each(settings, tmp_path: Path):
 
     import httpx
 
-    from tests.conftest import free_port
+    from tests.conftest import free_port, wait_for
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
     (tmp_path / "settings.pickle").write_bytes(pickle.dumps(settings))
     report, port = tmp_path / "hub.json", free_port()
+    root = Path(__file__).resolve().parents[3]
     server = subprocess.Popen(
-        [sys.executable, "-c", _SERVER, str(tmp_path / "settings.pickle"), str(port),
-         str(report)], cwd=Path(__file__).resolve().parents[3],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])})
+        [sys.executable, "-m", "tests.services.api.long_poll_server",
+         str(tmp_path / "settings.pickle"), str(port), str(report)],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
 
     def hub() -> dict[str, int]:
         try:
@@ -409,16 +383,14 @@ def test_500_held_long_polls_hold_no_thread_each(settings, tmp_path: Path):
 
     url, admin = f"http://127.0.0.1:{port}", {"Authorization": bearer()}
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and server.poll() is None:
+        def answers() -> bool:
+            assert server.poll() is None, f"the API exited with status {server.returncode}"
             try:
-                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                    break
+                return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
             except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        else:
-            raise AssertionError(f"the API did not start (exit status {server.poll()})")
+                return False
+
+        wait_for(answers, timeout_s=60, what="the API to answer")
         names = [f"n{i:03d}" for i in range(500)]
         with httpx.Client(base_url=url, headers=admin, timeout=30) as http:
             for i, name in enumerate(names):
