@@ -9,6 +9,9 @@ wrapped, unless ``COLUMNS`` asks for a width.
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from rich.console import Console, ConsoleDimensions
 
 #: The width of a console that is not a terminal: wider than any line a command prints, so
@@ -18,10 +21,17 @@ UNWRAPPED_WIDTH = 100_000
 
 
 class KilnConsole(Console):
-    """A rich console that wraps only on a terminal; see the module's docstring."""
+    """A rich console that wraps only on a terminal; see the module's docstring. The choice is
+    made at each print, not at start-up: a command's streams can be swapped after its console
+    exists (a test runner's captured output)."""
+
+    def __init__(self, *args: Any, width: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, width=width, **kwargs)
+        self._asked_width = width
 
     def _unwrapped(self) -> bool:
-        return self._width is None and not self.is_terminal and not self._environ.get("COLUMNS")
+        return (self._asked_width is None and not self.is_terminal
+                and not os.environ.get("COLUMNS"))
 
     @property
     def size(self) -> ConsoleDimensions:
