@@ -150,3 +150,15 @@ class Channel(filesystem.Channel):
 
 class Transport(filesystem.Transport):
     Channel = Channel
+
+    #: The longest one timed ``drain_events`` waits, whatever it is asked. A Celery worker on
+    #: a transport without an event loop (this one) drains with a 2 s timeout and looks for
+    #: a shutdown only between drains, so a worker told to stop finished up to two idle
+    #: seconds first. Callers with a timeout already take ``socket.timeout`` as "nothing yet"
+    #: and drain again; an untimed drain still blocks until a message comes.
+    drain_wait_max_s = 0.2
+
+    def drain_events(self, connection: object, timeout: float | None = None) -> None:
+        if timeout is not None:
+            timeout = min(timeout, self.drain_wait_max_s)
+        return super().drain_events(connection, timeout=timeout)

@@ -126,3 +126,32 @@ def _bind(folder: Path, queue: str) -> None:
     with _connection(folder) as conn:
         for _ in range(20):
             conn.default_channel._queue_bind("kiln", queue, None, queue)
+
+
+def test_a_timed_drain_returns_within_the_cap_and_still_delivers(tmp_path: Path):
+    """A Celery worker on this transport looks for a shutdown only between drains: a drain
+    that waited the 2 s it is asked for held every stop of an idle worker that long."""
+    import contextlib
+    import time
+
+    from kombu import Exchange, Queue
+
+    from artifact_store.queue_folder import Transport
+
+    with _connection(tmp_path) as conn:
+        queue = Queue(QUEUE, Exchange(QUEUE, type="direct"), routing_key=QUEUE)
+        got: list[dict] = []
+        with conn.Consumer([queue], callbacks=[lambda body, message: (got.append(body),
+                                                                      message.ack())]):
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                conn.drain_events(timeout=30)
+            # Far below the 30 s asked: the cap, not the caller's timeout, ended the wait.
+            assert time.monotonic() - started < 10 * Transport.drain_wait_max_s
+            conn.Producer().publish({"i": 1}, exchange=queue.exchange, routing_key=QUEUE,
+                                    declare=[queue])
+            deadline = time.monotonic() + 30
+            while not got and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    conn.drain_events(timeout=30)
+    assert got == [{"i": 1}]
