@@ -48,7 +48,8 @@ OTHER_VARIABLES = {
     "KILN_REQUIRE_SERVICES": "tests: `1` fails, instead of skipping, when a service is missing",
     "KILN_TEST_POSTGRES_URL": "tests: the PostgreSQL the integration tests use",
     "KILN_TEST_REDIS_URL": "tests: the Redis the integration tests use",
-    "KILN_TEST_REDIS_DB": "tests: the Redis database number the integration stacks flush and use",
+    "KILN_TEST_REDIS_DB": "tests: the first of the Redis database numbers the integration "
+                          "stacks flush and use",
 }
 
 #: Marks the generated table in README.md.

@@ -39,18 +39,21 @@ os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
 
 
-def _redis_databases() -> tuple[str, int]:
-    """The Redis URL the tests use directly, and the database number whole stacks flush when
-    they start. Workers of a parallel run share one Redis server, and Celery queue names are
-    fixed, so each worker takes the next pair of databases after the configured ones."""
+def _redis_databases() -> tuple[str, int, int]:
+    """The Redis URL the tests use directly, the database number whole stacks of one test
+    flush when they start, and the one a module's shared stack flushes (it runs while a
+    module's other tests start stacks of their own). Workers of a parallel run share one
+    Redis server, and Celery queue names are fixed, so each worker takes the next three
+    databases after the configured ones."""
     base = os.environ.get("KILN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
     server, _, number = base.rpartition("/")
     url_db = int(number or 0)
     stack_db = int(os.environ.get("KILN_TEST_REDIS_DB", str(url_db + 1)))
-    return f"{server}/{url_db + 2 * _XDIST_INDEX}", stack_db + 2 * _XDIST_INDEX
+    return (f"{server}/{url_db + 3 * _XDIST_INDEX}", stack_db + 3 * _XDIST_INDEX,
+            stack_db + 3 * _XDIST_INDEX + 1)
 
 
-REDIS_URL, REDIS_STACK_DB = _redis_databases()
+REDIS_URL, REDIS_STACK_DB, REDIS_SHARED_STACK_DB = _redis_databases()
 
 
 #: Test files whose stacks, compiles and trials take the longest, in the order a parallel run

@@ -4,6 +4,7 @@ a blob store, on loopback."""
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,13 @@ import pytest
 from kiln.client import KilnClient
 from kiln.stack import EmbeddedStack
 from schemas.options import CompileOptions
-from tests.conftest import REDIS_STACK_DB, free_port, migrated_sqlite
+from tests.conftest import (
+    REDIS_SHARED_STACK_DB,
+    REDIS_STACK_DB,
+    _database,
+    free_port,
+    migrated_sqlite,
+)
 
 #: Options for the builds of tests about something other than tuning: one candidate instead of
 #: every configuration the tuner would try (tuning, under test in ``test_compile_flow`` and
@@ -60,12 +67,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     return report
 
 
-def dump_logs_if_failed(request: pytest.FixtureRequest, home: Path, tail_bytes: int = 6000) -> None:
-    """Print the tail of every process log of a stack whose test failed: the only record of
-    what a worker or agent was doing when a job did not finish."""
-    report = getattr(request.node, "report_call", None)
-    if report is None or not report.failed:
-        return
+def dump_logs_if_failed(request: pytest.FixtureRequest, home: Path, tail_bytes: int = 6000,
+                        *, failed_before: int | None = None) -> None:
+    """Print the tail of every process log of a stack whose test failed (of a shared stack:
+    when any test failed since ``failed_before``, the session's count when it started): the
+    only record of what a worker or agent was doing when a job did not finish."""
+    if failed_before is not None:
+        if request.session.testsfailed == failed_before:
+            return
+    else:
+        report = getattr(request.node, "report_call", None)
+        if report is None or not report.failed:
+            return
     for log in sorted((home / "logs").glob("*.log")):
         text = log.read_bytes()[-tail_bytes:].decode(errors="replace")
         print(f"\n===== {log.name} (last {tail_bytes} bytes) =====\n{text}")
@@ -79,6 +92,8 @@ def _start(request: pytest.FixtureRequest, tmp_path: Path, kind: str,
     stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(),
                           overrides={**overrides, **(marker.args[0] if marker else {})},
                           worker_args=["--pool", "solo"])
+    shared = request.scope != "function"
+    failed_before = request.session.testsfailed if shared else None
     try:
         stack.start()
         running = RunningStack(stack, kind)
@@ -86,32 +101,62 @@ def _start(request: pytest.FixtureRequest, tmp_path: Path, kind: str,
         running.client.close()
     finally:
         stack.stop()
-        dump_logs_if_failed(request, stack.home)
+        dump_logs_if_failed(request, stack.home, failed_before=failed_before)
 
 
-@pytest.fixture(params=["embedded", "redis-postgres-s3"])
-def kiln_stack(request, tmp_path: Path, monkeypatch) -> Iterator[RunningStack]:
-    """The stack as processes; ``@pytest.mark.stack_env({...})`` adds ``KILN_*`` settings."""
-    monkeypatch.setenv("KILN_HOME", str(tmp_path / "kiln"))
-    if request.param == "embedded":
-        yield from _start(request, tmp_path, "embedded", {})
-        return
+def _services(request: pytest.FixtureRequest, database_url: str,
+              redis_db: int = REDIS_TEST_DB) -> dict[str, str]:
+    """The settings of a ``redis-postgres-s3`` stack on ``database_url``: Redis database
+    ``redis_db`` (this test process's own), flushed, and a fresh bucket on the loopback S3
+    server."""
+    import boto3
     import redis
 
-    redis_url = request.getfixturevalue("redis_url").rsplit("/", 1)[0] + f"/{REDIS_TEST_DB}"
+    redis_url = request.getfixturevalue("redis_url").rsplit("/", 1)[0] + f"/{redis_db}"
     redis.Redis.from_url(redis_url).flushdb()
     endpoint = request.getfixturevalue("s3_endpoint")
-    bucket = request.getfixturevalue("s3_bucket")
-    overrides = {
+    bucket = f"kiln-test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+        Bucket=bucket)
+    return {
         "KILN_ENV": "production",  # every service named: production strictness applies
-        "KILN_DATABASE_URL": request.getfixturevalue("migrated_postgres_url"),
+        "KILN_DATABASE_URL": database_url,
         "KILN_BROKER_URL": redis_url,
         "KILN_STORE_URI": f"s3://{bucket}/artifacts",
         "KILN_S3_ENDPOINT_URL": endpoint,
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
     }
-    yield from _start(request, tmp_path, "redis-postgres-s3", overrides)
+
+
+@pytest.fixture(params=["embedded", "redis-postgres-s3"])
+def kiln_stack(request, tmp_path: Path, monkeypatch) -> Iterator[RunningStack]:
+    """The stack as processes; ``@pytest.mark.stack_env({...})`` adds ``KILN_*`` settings.
+    A stack of the test's own, for a test that stops, kills or breaks part of it; a test
+    that only submits and reads takes ``shared_stack``."""
+    monkeypatch.setenv("KILN_HOME", str(tmp_path / "kiln"))
+    overrides = {} if request.param == "embedded" else _services(
+        request, request.getfixturevalue("migrated_postgres_url"))
+    yield from _start(request, tmp_path, request.param, overrides)
+
+
+@pytest.fixture(scope="module", params=["embedded", "redis-postgres-s3"])
+def shared_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                 postgres_server_url: str) -> Iterator[RunningStack]:
+    """One stack of each kind for the tests of a module that only submit and read (each with
+    models of its own, asserting on its own models' rows), which would otherwise each start,
+    migrate and stop a whole stack. pytest runs a module's tests grouped by the kind, so each
+    kind's stack starts once per module."""
+    tmp_path = tmp_path_factory.mktemp(f"shared-{request.param}")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("KILN_HOME", str(tmp_path / "kiln"))
+        if request.param == "embedded":
+            yield from _start(request, tmp_path, "embedded", {})
+            return
+        template = request.getfixturevalue("postgres_template")
+        for database_url in _database(postgres_server_url, template=template):
+            yield from _start(request, tmp_path, request.param,
+                              _services(request, database_url, REDIS_SHARED_STACK_DB))
 
 
 def running_stack(request: pytest.FixtureRequest, tmp_path: Path, *,

@@ -1,7 +1,9 @@
 """Submit → queue → compile → store, on real processes and services.
 
 Each test runs twice: on the embedded stack (SQLite, filesystem broker, local store) and on
-Redis + PostgreSQL + an S3-compatible server, with a real Celery worker process.
+Redis + PostgreSQL + an S3-compatible server, with a real Celery worker process. The tests
+that only submit and read share one stack of each kind (``shared_stack``: each compiles
+models of its own and asserts on their rows); the one that kills workers has its own.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ CONTROL_PLANE_ONLY = ("KILN_SECRET_KEY", "KILN_SIGNING_KEY_PATH", "KILN_ROOT_KEY
                       "KILN_DATABASE_URL", "KILN_STORE_URI", "KILN_S3_ENDPOINT_URL")
 
 
-def test_submit_compile_verify_publish(kiln_stack, tmp_path: Path):
+def test_submit_compile_verify_publish(shared_stack, tmp_path: Path):
     stages: list[str] = []
-    (worker,) = [p for p in kiln_stack.stack.processes if "worker" in p.args]
+    (worker,) = [p for p in shared_stack.stack.processes if "worker" in p.args]
     running_environ: dict[str, str] = {}
 
     def seen(j) -> None:
@@ -49,7 +51,7 @@ def test_submit_compile_verify_publish(kiln_stack, tmp_path: Path):
             running_environ.update(_environ(worker.pid))  # the process building it, now
 
     model, job = compile_once(
-        kiln_stack, onnx_test_model("light_resnet50").SerializeToString(),
+        shared_stack, onnx_test_model("light_resnet50").SerializeToString(),
         CompileOptions(benchmark_iterations=20, tune="off"), on_update=seen,
     )
     assert job.status is JobStatus.SUCCEEDED, job.error
@@ -57,20 +59,21 @@ def test_submit_compile_verify_publish(kiln_stack, tmp_path: Path):
     # The job's stage was visible while it ran.
     assert {"verifying", "benchmarking", "building", "optimizing", "checking"} & set(stages)
 
-    manifest = kiln_stack.client.get_manifest(job.artifact_id)
+    manifest = shared_stack.client.get_manifest(job.artifact_id)
     assert manifest.model_sha256 == model.id
     assert manifest.fingerprint_key == job.fingerprint_key
     assert manifest.verification.passed and manifest.verification.samples >= 1
     assert manifest.benchmark.p50_ms > 0 and manifest.benchmark.p90_ms >= manifest.benchmark.p50_ms
     assert manifest.build_fingerprint.cpu.arch
-    signed = kiln_stack.client.get_signed_manifest(job.artifact_id)
-    assert load_verifier([kiln_stack.home / "signing.key.pub"]).verify_manifest(
+    signed = shared_stack.client.get_signed_manifest(job.artifact_id)
+    assert load_verifier([shared_stack.home / "signing.key.pub"]).verify_manifest(
         signed, artifact_id=job.artifact_id) == manifest
 
     engine = manifest.blob("engine")
-    dest = kiln_stack.client.download_blob(job.artifact_id, engine, tmp_path / "engine.onnx")
+    dest = shared_stack.client.download_blob(job.artifact_id, engine, tmp_path / "engine.onnx")
     assert hashlib.sha256(dest.read_bytes()).hexdigest() == engine.sha256
-    listed = kiln_stack.client.list_artifacts(fingerprint_key=job.fingerprint_key)
+    listed = shared_stack.client.list_artifacts(fingerprint_key=job.fingerprint_key,
+                                                model_id=model.id)
     assert [a.id for a in listed] == [job.artifact_id]
 
     # The control plane signed it: the worker that built it, while it built, held neither the
@@ -81,41 +84,41 @@ def test_submit_compile_verify_publish(kiln_stack, tmp_path: Path):
         held = sorted(name for name in environ
                       if name in CONTROL_PLANE_ONLY or name.startswith("AWS_"))
         assert held == [], f"the worker's environment holds {held}"
-        assert environ["KILN_WORKER_API_URL"] == kiln_stack.stack.api_url
+        assert environ["KILN_WORKER_API_URL"] == shared_stack.stack.api_url
         assert environ["KILN_WORKER_TOKEN"]
-    if kiln_stack.kind != "embedded":
+    if shared_stack.kind != "embedded":
         assert running_environ["KILN_BROKER_URL"].startswith("redis://")
 
 
-def test_cache_hit_and_duplicate_delivery_yield_one_artifact(kiln_stack):
+def test_cache_hit_and_duplicate_delivery_yield_one_artifact(shared_stack):
     from celery import Celery
 
     from services.config import KilnSettings
     from services.queue import configure_celery, enqueue_compile
 
-    model, first = compile_once(kiln_stack, small_cnn().SerializeToString(), UNTUNED)
+    model, first = compile_once(shared_stack, small_cnn().SerializeToString(), UNTUNED)
     assert first.status is JobStatus.SUCCEEDED, first.error
 
     # Same model, options and key: answered from the store, no build.
-    (hit,) = kiln_stack.client.create_jobs(model.id, [first.fingerprint_key], UNTUNED)
+    (hit,) = shared_stack.client.create_jobs(model.id, [first.fingerprint_key], UNTUNED)
     assert hit.status is JobStatus.SUCCEEDED and hit.cache_hit
     assert hit.artifact_id == first.artifact_id
 
     # A task delivered twice (here: the same job enqueued again) still yields one artifact.
     options = UNTUNED.model_copy(update={"optimization_level": 1})
-    (job,) = kiln_stack.client.create_jobs(model.id, [first.fingerprint_key], options)
-    settings = KilnSettings(home=kiln_stack.home,
-                            broker_url=kiln_stack.stack.overrides.get("KILN_BROKER_URL"))
+    (job,) = shared_stack.client.create_jobs(model.id, [first.fingerprint_key], options)
+    settings = KilnSettings(home=shared_stack.home,
+                            broker_url=shared_stack.stack.overrides.get("KILN_BROKER_URL"))
     producer = configure_celery(settings, Celery("test-producer", set_as_current=False))
     enqueue_compile(producer, job_id=job.id, fingerprint_key=job.fingerprint_key)
-    done = kiln_stack.client.wait_job(job.id, timeout_s=300)
+    done = shared_stack.client.wait_job(job.id, timeout_s=300)
     assert done.status is JobStatus.SUCCEEDED, done.error
-    artifacts = kiln_stack.client.list_artifacts(model_id=model.id)
+    artifacts = shared_stack.client.list_artifacts(model_id=model.id)
     assert len(artifacts) == 2  # the default level and level 1, each once
     assert len({a.options_digest for a in artifacts}) == 2
 
 
-def test_model_failing_the_checker_fails_its_job_with_a_typed_reason(kiln_stack):
+def test_model_failing_the_checker_fails_its_job_with_a_typed_reason(shared_stack):
     node = helper.make_node("Relu", ["missing_input"], ["y"])
     graph = helper.make_graph(
         [node], "broken",
@@ -123,45 +126,45 @@ def test_model_failing_the_checker_fails_its_job_with_a_typed_reason(kiln_stack)
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
     )
     broken = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    _, job = compile_once(kiln_stack, broken.SerializeToString())
+    model, job = compile_once(shared_stack, broken.SerializeToString())
     assert job.status is JobStatus.FAILED
     assert job.error.code == "model_check_failed"
     assert "missing_input" in job.error.message
     assert job.artifact_id is None
-    assert kiln_stack.client.list_artifacts() == []
+    assert shared_stack.client.list_artifacts(model_id=model.id) == []
 
 
-def test_verification_over_tolerance_fails_the_job_and_publishes_nothing(kiln_stack):
+def test_verification_over_tolerance_fails_the_job_and_publishes_nothing(shared_stack):
     # Level 3 folds BatchNormalization into Conv: float results move by ~1e-7, which a
     # zero tolerance rejects. The job must fail, never fall back to something else.
     options = CompileOptions(tolerance={"atol": 0.0, "rtol": 0.0}, tune="off",
                              optimization_level=3)
-    _, job = compile_once(kiln_stack, small_cnn().SerializeToString(), options)
+    model, job = compile_once(shared_stack, small_cnn(seed=5).SerializeToString(), options)
     assert job.status is JobStatus.FAILED
     assert job.error.code == "verification_failed"
-    assert kiln_stack.client.list_artifacts() == []
+    assert shared_stack.client.list_artifacts(model_id=model.id) == []
 
 
-def test_bad_requests_keep_the_service_serving(kiln_stack):
+def test_bad_requests_keep_the_service_serving(shared_stack):
     with pytest.raises(KilnError) as err:
-        kiln_stack.client.upload_model(b"\x08\x07garbage")
+        shared_stack.client.upload_model(b"\x08\x07garbage")
     assert err.value.code == "invalid_model"
-    model = kiln_stack.client.upload_model(mlp().SerializeToString())
+    model = shared_stack.client.upload_model(mlp().SerializeToString())
     with pytest.raises(KilnError) as err:
-        kiln_stack.client.create_jobs("f" * 64, kiln_stack.keys)
+        shared_stack.client.create_jobs("f" * 64, shared_stack.keys)
     assert err.value.code == "not_found"
-    assert kiln_stack.client.get_model(model.id).id == model.id
-    assert kiln_stack.client.health()["status"] == "ok"
+    assert shared_stack.client.get_model(model.id).id == model.id
+    assert shared_stack.client.health()["status"] == "ok"
 
 
-def test_cli_submit_wait_jobs_artifacts(kiln_stack, tmp_path: Path):
+def test_cli_submit_wait_jobs_artifacts(shared_stack, tmp_path: Path):
     import json
     import subprocess
     import sys
 
     model = tmp_path / "mlp.onnx"
     model.write_bytes(mlp(seed=7).SerializeToString())
-    env = {**__import__("os").environ, "KILN_HOME": str(kiln_stack.home), "COLUMNS": "200"}
+    env = {**__import__("os").environ, "KILN_HOME": str(shared_stack.home), "COLUMNS": "200"}
     kiln = [sys.executable, "-m", "kiln.cli"]
 
     def run(*args: str) -> subprocess.CompletedProcess:
@@ -171,8 +174,10 @@ def test_cli_submit_wait_jobs_artifacts(kiln_stack, tmp_path: Path):
     # --tune off: tuning is not what this tests, and off is a flag the command line passes.
     submitted = run("submit", str(model), "--wait", "--opt-level", "2", "--tune", "off")
     assert submitted.returncode == 0, submitted.stderr
-    assert "passed" in submitted.stdout and kiln_stack.keys[0] in submitted.stdout
-    listed = run("artifacts", "--json", "--fingerprint", kiln_stack.keys[0])
+    assert "passed" in submitted.stdout and shared_stack.keys[0] in submitted.stdout
+    model_id = hashlib.sha256(model.read_bytes()).hexdigest()
+    listed = run("artifacts", "--json", "--fingerprint", shared_stack.keys[0],
+                 "--model", model_id)
     assert listed.returncode == 0, listed.stderr
     (artifact,) = json.loads(listed.stdout)
     assert artifact["backend"] == "onnxruntime"
