@@ -10,7 +10,6 @@ from typing import Any
 import httpx
 from pydantic import BaseModel
 
-from runtime_agent.download import download
 from runtime_agent.errors import error_from_response
 from schemas import (
     ArtifactManifest,
@@ -225,6 +224,8 @@ class KilnClient:
     def download_blob(self, artifact_id: str, ref: BlobRef, dest: Path) -> Path:
         """Download blob ``ref`` of an artifact to ``dest``: resumable, following a presigned
         redirect without credentials, size and sha256 verified (the agent's download path)."""
+        from runtime_agent.download import download  # the signing stack: only for downloads
+
         return download(self.http, f"/v1/artifacts/{artifact_id}/blobs/{ref.name}", dest,
                         size=ref.size, sha256=ref.sha256)
 
