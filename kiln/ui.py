@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -41,27 +39,6 @@ def progress_wait(
             finished.append(client.wait_job(job.id, timeout_s=timeout_s, on_update=update,
                                             on_retry=retry))
     return finished
-
-
-#: Ids shown on a terminal keep at least this many characters.
-SHORT_ID = 12
-
-
-def short_ids(ids: Iterable[str], console: Console) -> Callable[[str | None], str]:
-    """How to print each of ``ids``: in full, unless ``console`` is a terminal; there each is
-    cut to the shortest prefix (at least ``SHORT_ID`` characters) that no other id shown
-    shares, so what a person copies still names one row (the API takes unique prefixes)."""
-    if not console.is_terminal:
-        return lambda value: value or ""
-    known = sorted(set(ids))
-    cut: dict[str, str] = {}
-    for value in known:
-        length = SHORT_ID
-        while length < len(value) and any(
-                other != value and other.startswith(value[:length]) for other in known):
-            length += 1
-        cut[value] = value if length >= len(value) else value[:length] + "…"
-    return lambda value: cut.get(value or "", value or "")
 
 
 def print_artifact(client: KilnClient, job: CompileJob, *, console: Console, err: Console) -> None:

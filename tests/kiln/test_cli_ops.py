@@ -15,11 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 
 from kiln.examples import mlp, small_cnn
 from kiln.exit_codes import EXIT_CODES, TABLE_BEGIN, TABLE_END, exit_code, markdown_table
-from kiln.ui import short_ids
 from schemas import CompileOptions
 from schemas.errors import ErrorBody, ErrorCode
 from schemas.fingerprint import CpuInfo, HardwareFingerprint
@@ -196,15 +194,6 @@ def test_wait_rides_out_an_api_restart_and_says_so(api: Api) -> None:
     assert re.search(r"the API is unavailable \(cannot reach the Kiln API", stderr), stderr
     assert "retrying in" in stderr
     assert "failed while the API was away" in stderr
-
-
-def test_short_ids_only_on_a_terminal_and_never_ambiguous() -> None:
-    ids = ["a" * 12 + "1" + "0" * 19, "a" * 12 + "2" + "0" * 19, "b" * 32]
-    piped = short_ids(ids, Console(file=open(os.devnull, "w"), force_terminal=False))  # noqa: SIM115
-    assert [piped(i) for i in ids] == ids
-    tty = short_ids(ids, Console(force_terminal=True))
-    assert [tty(i) for i in ids] == ["a" * 12 + "1…", "a" * 12 + "2…", "b" * 12 + "…"]
-    assert tty(None) == ""
 
 
 def test_exit_codes_are_one_to_one_cover_every_error_and_are_documented() -> None:
