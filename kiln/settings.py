@@ -5,9 +5,10 @@ so that a process can refuse a variable none of them reads (a typo is never drop
 silently), log what it runs with (secrets redacted), ``kiln config`` can say where each
 value came from, and the README's table is generated rather than written by hand.
 
-``kiln`` imports neither the control plane nor the worker: their rows come from their own
-entry points (``python -m services settings``, ``python -m compiler_worker settings``), the
-agent's and the CLI's from their classes here; ``schemas.settings_table`` builds every row.
+``kiln`` imports neither the control plane nor the worker: their rows are what their own
+entry points print (``python -m services settings``, ``python -m compiler_worker settings``),
+recorded in ``side_settings.json`` beside this module; the agent's and the CLI's come from
+their classes here; ``schemas.settings_table`` builds every row.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
+from pathlib import Path
 from typing import Literal
 
 from pydantic import ValidationError
@@ -38,10 +40,11 @@ from schemas.settings_table import (
 from schemas.settings_table import check_environment as _check_environment
 from schemas.settings_table import unknown_variables as _unknown_variables
 
-__all__ = ["COMPONENTS", "OTHER_VARIABLES", "REDACTED", "TABLE_BEGIN", "TABLE_END", "Effective",
-           "Variable", "check_environment", "component_effective", "effective", "is_production",
-           "known_names", "launch_check", "log_effective", "markdown_table", "readme_table",
-           "redact", "start_up", "unknown_variables", "variables"]
+__all__ = ["COMPONENTS", "OTHER_VARIABLES", "REDACTED", "SIDES_FILE", "TABLE_BEGIN", "TABLE_END",
+           "Effective", "Variable", "asked_sides", "check_environment", "component_effective",
+           "effective", "is_production", "known_names", "launch_check", "log_effective",
+           "markdown_table", "readme_table", "redact", "start_up", "unknown_variables",
+           "variables", "write_sides_file"]
 
 #: ``KILN_*`` variables that are no service's setting: the test suite's (``tests/conftest.py``).
 OTHER_VARIABLES = {
@@ -98,10 +101,31 @@ def _ask(component: str, *args: str) -> object:
     return json.loads(proc.stdout)
 
 
+#: The api's and the worker's rows as their entry points print them. Every ``kiln api``,
+#: ``kiln worker`` and ``kiln agent`` checks its environment against every side's variables
+#: before it starts, and asking the sides meant two more interpreters, each importing its
+#: side, on every start. Written by ``python -m kiln.settings``; a test fails while it
+#: differs from what the entry points print.
+SIDES_FILE = Path(__file__).with_name("side_settings.json")
+
+
+def asked_sides() -> dict[str, list[dict]]:
+    """What the api's and the worker's entry points print now (their interpreters start at
+    once): ``SIDES_FILE``'s content."""
+    sides = list(_ENTRY_POINTS)
+    with ThreadPoolExecutor(len(sides)) as pool:
+        return dict(zip(sides, pool.map(_ask, sides), strict=True))
+
+
+def write_sides_file() -> Path:
+    SIDES_FILE.write_text(json.dumps(asked_sides(), indent=1, ensure_ascii=False) + "\n")
+    return SIDES_FILE
+
+
 @cache
 def _side_variables(component: str) -> tuple[Variable, ...]:
     if component in _ENTRY_POINTS:
-        rows = _ask(component)
+        rows = json.loads(SIDES_FILE.read_text())[component]
         return tuple(Variable(**{**row, "readers": tuple(row["readers"])}) for row in rows)
     return tuple(variables_of(component, _local_class(component)))
 
@@ -110,9 +134,6 @@ def variables() -> list[Variable]:
     """Every variable the settings classes read, once each, in the order the components and
     their fields are declared, with every component that reads it (the control plane and the
     workers share some: ``schemas.settings.SharedSettings``)."""
-    sides = [c for c in COMPONENTS if c in _ENTRY_POINTS]
-    with ThreadPoolExecutor(len(sides)) as pool:  # two interpreters start at once
-        list(pool.map(_side_variables, sides))
     return join(row for c in COMPONENTS for row in _side_variables(c))
 
 
@@ -184,3 +205,7 @@ def markdown_table() -> str:
     for name, doc in OTHER_VARIABLES.items():
         lines.append(f"| `{name}` | tests | — | {doc.removeprefix('tests: ')} |")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(f"wrote {write_sides_file()}\n")

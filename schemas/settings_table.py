@@ -5,8 +5,9 @@ configuration with secrets redacted.
 Pure functions of settings classes and an environment mapping, so that every side (the
 control plane's ``python -m services``, a worker's ``python -m compiler_worker``, the ``kiln``
 command) builds its rows the same way without importing another side's settings: ``kiln``
-asks the other sides for theirs (``python -m services settings --json``) and joins the rows
-(``join``), one per variable, naming every component that reads it.
+joins the other sides' rows (what ``python -m services settings`` prints, recorded in
+``kiln/side_settings.json``) with its own (``join``), one per variable, naming every
+component that reads it.
 """
 
 from __future__ import annotations

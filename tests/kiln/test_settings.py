@@ -15,6 +15,8 @@ import pytest
 
 from kiln.exit_codes import EXIT_CODES
 from kiln.settings import (
+    SIDES_FILE,
+    asked_sides,
     check_environment,
     effective,
     log_effective,
@@ -36,6 +38,14 @@ def test_readme_table_is_the_generated_one() -> None:
     assert readme_table((ROOT / "README.md").read_text()) == markdown_table(), (
         "README.md's settings table is stale: paste `kiln config --markdown` between its markers"
     )
+
+
+def test_the_recorded_side_settings_are_what_the_sides_print() -> None:
+    """Launchers read the api's and the worker's variables from ``SIDES_FILE`` instead of
+    asking each side on every start: a setting added to a side and not recorded would be
+    refused as unknown by the launcher that starts that very side."""
+    assert json.loads(SIDES_FILE.read_text()) == asked_sides(), (
+        f"{SIDES_FILE.name} is stale: run `python -m kiln.settings`")
 
 
 def test_every_variable_is_documented() -> None:
