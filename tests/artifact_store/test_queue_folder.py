@@ -133,13 +133,19 @@ def test_a_timed_drain_returns_within_the_cap_and_still_delivers(tmp_path: Path)
     that waited the 2 s it is asked for held every stop of an idle worker that long."""
     import contextlib
     import time
+    import uuid
 
     from kombu import Exchange, Queue
 
     from artifact_store.queue_folder import Transport
 
+    # A name of its own: kombu keeps the exchanges a process declared in one state shared by
+    # every connection of the transport, whatever its folder, so an exchange of this name
+    # declared by an earlier test of this process would not be written to this test's folder
+    # and the message would route nowhere.
+    name = f"build.drain-{uuid.uuid4().hex[:8]}"
     with _connection(tmp_path) as conn:
-        queue = Queue(QUEUE, Exchange(QUEUE, type="direct"), routing_key=QUEUE)
+        queue = Queue(name, Exchange(name, type="direct"), routing_key=name)
         got: list[dict] = []
         with conn.Consumer([queue], callbacks=[lambda body, message: (got.append(body),
                                                                       message.ack())]):
@@ -148,7 +154,7 @@ def test_a_timed_drain_returns_within_the_cap_and_still_delivers(tmp_path: Path)
                 conn.drain_events(timeout=30)
             # Far below the 30 s asked: the cap, not the caller's timeout, ended the wait.
             assert time.monotonic() - started < 10 * Transport.drain_wait_max_s
-            conn.Producer().publish({"i": 1}, exchange=queue.exchange, routing_key=QUEUE,
+            conn.Producer().publish({"i": 1}, exchange=queue.exchange, routing_key=name,
                                     declare=[queue])
             deadline = time.monotonic() + 30
             while not got and time.monotonic() < deadline:
