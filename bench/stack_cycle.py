@@ -23,8 +23,9 @@ from pathlib import Path
 from _common import console, fmt, free_port
 from rich.table import Table
 
+from compiler_worker.benchmark import read_cpu_times
 from kiln.stack import EmbeddedStack
-from tests.conftest import migrated_sqlite
+from tests.conftest import migrated_sqlite, wait_for
 
 
 def children_cpu() -> float:
@@ -32,27 +33,9 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def own_cpu() -> float:
-    """This process's CPU seconds and its waited-for children's."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime + children_cpu()
-
-
-def host_cpu() -> tuple[float, float, float]:
-    """CPU seconds since boot, all CPUs: busy, stolen, and the whole."""
-    ticks = [int(v) / os.sysconf("SC_CLK_TCK")
-             for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle, steal = ticks[3] + ticks[4], ticks[7]
-    return sum(ticks) - idle - steal, steal, sum(ticks)
-
-
 def wait_registered(stack: EmbeddedStack, timeout_s: float = 60) -> None:
     client = stack.client()
-    deadline = time.monotonic() + timeout_s
-    while not client.live_fingerprint_keys("onnx"):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no worker registered within {timeout_s}s")
-        time.sleep(0.05)
+    wait_for(lambda: client.live_fingerprint_keys("onnx"), timeout_s, "a worker to register")
     client.close()
 
 
@@ -88,17 +71,19 @@ def main() -> None:
     one_cycle(Path(tempfile.mkdtemp()))  # warm the page cache: imports, wheels' libraries
     stacks: dict[str, list[float]] = {}
     bare: dict[str, list[float]] = {}
-    busy0, steal0, total0 = host_cpu()
-    own0 = own_cpu()
+    host0, children0 = read_cpu_times(), children_cpu()
     for _ in range(args.cycles):  # interleaved: a drift of the machine's load hits both
         for name, value in one_cycle(Path(tempfile.mkdtemp())).items():
             stacks.setdefault(name, []).append(value)
         for name, value in bare_interpreter().items():
             bare.setdefault(name, []).append(value)
-    busy1, steal1, total1 = host_cpu()
-    # Of the whole run, the share other processes kept busy and the hypervisor stole.
-    others = max(0.0, (busy1 - busy0) - (own_cpu() - own0)) / (total1 - total0)
-    stolen = (steal1 - steal0) / (total1 - total0)
+    host1, children1 = read_cpu_times(), children_cpu()
+    # Of the whole run, the share other processes kept busy (this one and the stacks it
+    # started and waited for subtracted) and the share the hypervisor stole.
+    total = host1.total - host0.total
+    ours = (host1.own - host0.own) + (children1 - children0) * os.sysconf("SC_CLK_TCK")
+    others = max(0.0, (host1.busy - host0.busy) - ours) / total
+    stolen = (host1.steal - host0.steal) / total
     table = Table(title=f"embedded stack, {args.cycles} cycles: median \\[min–max]")
     table.add_column("phase")
     table.add_column("stack", justify="right")

@@ -153,7 +153,8 @@ class CpuTimes:
     at: float
 
 
-def _read_cpu_times() -> CpuTimes | None:
+def read_cpu_times() -> CpuTimes | None:
+    """The host's and this process's CPU ticks now (``None`` where ``/proc`` cannot be read)."""
     try:
         with open("/proc/stat") as handle:
             fields = handle.readline().split()
@@ -201,10 +202,10 @@ class CpuSampler:
         self._start: CpuTimes | None = None
 
     def start(self) -> None:
-        self._start = _read_cpu_times()
+        self._start = read_cpu_times()
 
     def stop(self) -> CpuShare:
-        end, start = _read_cpu_times(), self._start
+        end, start = read_cpu_times(), self._start
         if end is None or start is None or end.total <= start.total:
             return CpuShare(seconds=0.0 if start is None or end is None else end.at - start.at,
                             busy=0.0, steal=0.0, loadavg=loadavg())

@@ -123,9 +123,14 @@ def write_sides_file() -> Path:
 
 
 @cache
+def _recorded_sides() -> dict[str, list[dict]]:
+    return json.loads(SIDES_FILE.read_text())
+
+
+@cache
 def _side_variables(component: str) -> tuple[Variable, ...]:
     if component in _ENTRY_POINTS:
-        rows = json.loads(SIDES_FILE.read_text())[component]
+        rows = _recorded_sides()[component]
         return tuple(Variable(**{**row, "readers": tuple(row["readers"])}) for row in rows)
     return tuple(variables_of(component, _local_class(component)))
 

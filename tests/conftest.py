@@ -232,13 +232,16 @@ def s3_endpoint() -> Iterator[str]:
         server.stop()
 
 
-@pytest.fixture
-def s3_bucket(s3_endpoint: str) -> str:
-    """A fresh bucket on the loopback S3 server."""
+def new_bucket(endpoint: str) -> str:
+    """Make a fresh bucket on the S3 server at ``endpoint``; its name."""
     import boto3
 
     name = f"kiln-test-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(
-        Bucket=name
-    )
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str) -> str:
+    """A fresh bucket on the loopback S3 server."""
+    return new_bucket(s3_endpoint)

@@ -4,7 +4,6 @@ a blob store, on loopback."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from tests.conftest import (
     _database,
     free_port,
     migrated_sqlite,
+    new_bucket,
 )
 
 #: Options for the builds of tests about something other than tuning: one candidate instead of
@@ -109,15 +109,12 @@ def _services(request: pytest.FixtureRequest, database_url: str,
     """The settings of a ``redis-postgres-s3`` stack on ``database_url``: Redis database
     ``redis_db`` (this test process's own), flushed, and a fresh bucket on the loopback S3
     server."""
-    import boto3
     import redis
 
     redis_url = request.getfixturevalue("redis_url").rsplit("/", 1)[0] + f"/{redis_db}"
     redis.Redis.from_url(redis_url).flushdb()
     endpoint = request.getfixturevalue("s3_endpoint")
-    bucket = f"kiln-test-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
-        Bucket=bucket)
+    bucket = new_bucket(endpoint)
     return {
         "KILN_ENV": "production",  # every service named: production strictness applies
         "KILN_DATABASE_URL": database_url,
@@ -141,8 +138,8 @@ def kiln_stack(request, tmp_path: Path, monkeypatch) -> Iterator[RunningStack]:
 
 
 @pytest.fixture(scope="module", params=["embedded", "redis-postgres-s3"])
-def shared_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-                 postgres_server_url: str) -> Iterator[RunningStack]:
+def shared_stack(request: pytest.FixtureRequest,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     """One stack of each kind for the tests of a module that only submit and read (each with
     models of its own, asserting on its own models' rows), which would otherwise each start,
     migrate and stop a whole stack. pytest runs a module's tests grouped by the kind, so each
@@ -153,8 +150,9 @@ def shared_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         if request.param == "embedded":
             yield from _start(request, tmp_path, "embedded", {})
             return
+        server = request.getfixturevalue("postgres_server_url")
         template = request.getfixturevalue("postgres_template")
-        for database_url in _database(postgres_server_url, template=template):
+        for database_url in _database(server, template=template):
             yield from _start(request, tmp_path, request.param,
                               _services(request, database_url, REDIS_SHARED_STACK_DB))
 
