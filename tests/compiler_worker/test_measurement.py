@@ -19,7 +19,7 @@ import pytest
 
 from compiler_worker import backends, tuner_measure
 from compiler_worker.backends.base import Candidate
-from compiler_worker.benchmark import ensure_lock_file, host_lock, sample_host
+from compiler_worker.benchmark import CpuShare, ensure_lock_file, host_lock, sample_host
 from compiler_worker.pipeline import compile_model, plan_build
 from compiler_worker.tuner_measure import Trial
 from kiln.examples import mlp
@@ -207,7 +207,26 @@ def test_one_slow_call_does_not_prune_a_candidate() -> None:
     assert hopeless not in kept and "pruned after 3 warm calls" in hopeless.result.reason
 
 
-def test_finalists_within_noise_of_the_default_keep_the_default(tmp_path: Path) -> None:
+@pytest.fixture
+def quiet_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host sampled as idle. Only for tests of the rule on scripted timings: with other
+    test processes on the cores, the real sample takes the busy-host path, which the tests
+    with real CPU burners (``busy_host``) cover."""
+    quiet = CpuShare(seconds=0.1, busy=0.0, steal=0.0, loadavg=0.0)
+
+    class QuietSampler:
+        def start(self) -> None:
+            pass
+
+        def stop(self) -> CpuShare:
+            return quiet
+
+    monkeypatch.setattr(tuner_measure, "sample_host", lambda seconds: quiet)
+    monkeypatch.setattr(tuner_measure, "CpuSampler", QuietSampler)
+
+
+def test_finalists_within_noise_of_the_default_keep_the_default(tmp_path: Path,
+                                                                quiet_host: None) -> None:
     # Both spread over milliseconds, and the challenger, faster overall, is slower in one
     # round of every five, whatever call the rounds start at (rounds of three calls over a
     # cycle of five): no measurement can tell them apart.
