@@ -17,8 +17,9 @@ candidate whose fastest call is beyond ``PRUNE_RATIO`` times the fastest candida
 pruned. The finalists, every backend's, are then timed in the same interleaved rounds (round
 ``r`` runs every candidate in turn, so drift hits them alike), with the host's CPU sampled
 before and during each round. A busy host (other processes' share of the CPU over
-``BUSY_THRESHOLD``, steal over ``STEAL_THRESHOLD``) or a fastest finalist within noise of the
-default is measured again, up to ``MAX_REMEASURES`` times within the budget. Two finalists are
+``BUSY_THRESHOLD``, steal over ``STEAL_THRESHOLD``), a fastest finalist within noise of the
+default, or two finalists that both lead the default within noise of each other, is measured
+again, up to ``MAX_REMEASURES`` times within the budget. Two finalists are
 told apart when their timings' middle halves do not overlap, or when the faster one was faster
 in every interleaved round by at least ``MIN_LEAD`` overall (a paired comparison: drift shifts
 both alike, so a lead held round after round is real even where each engine's own spread is

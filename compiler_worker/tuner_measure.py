@@ -194,11 +194,18 @@ class _Measurement:
 def _measure(trials: list[Trial], feed: Feed, iterations: int, index: int) -> _Measurement:
     """Sample the idle host, then time ``iterations`` calls of every trial in interleaved
     rounds (round ``r`` runs every trial in turn, starting ``r`` trials later, so no trial
-    always follows the same one), sampling the host during each round."""
+    always follows the same one), sampling the host during each round.
+
+    A lone trial skips the idle sample: it says whether a choice between finalists can be
+    trusted, and one trial is no choice (a ``tune: off`` build, or all others pruned); the
+    samples taken while it ran still say how busy the host was for its figures."""
     started = time.perf_counter()
-    before = sample_host(HOST_SAMPLE_S)
-    samples = [HostSample(measurement=index, phase="before", seconds=before.seconds,
-                          busy=before.busy, steal=before.steal, loadavg=before.loadavg)]
+    samples = []
+    if len(trials) > 1:
+        before = sample_host(HOST_SAMPLE_S)
+        samples.append(HostSample(measurement=index, phase="before", seconds=before.seconds,
+                                  busy=before.busy, steal=before.steal,
+                                  loadavg=before.loadavg))
     timings: dict[int, list[float]] = {id(t): [] for t in trials}
     rounds = min(ROUNDS, iterations)
     per_round = [iterations // rounds + (1 if r < iterations % rounds else 0)
@@ -225,6 +232,26 @@ def _measure(trials: list[Trial], feed: Feed, iterations: int, index: int) -> _M
                         seconds=time.perf_counter() - started, per_round=per_round)
 
 
+def _unclear(measurement: _Measurement, finalists: list[Trial], default: Trial) -> str | None:
+    """Why ``measurement`` does not settle the choice, or ``None`` when it does: the fastest
+    finalist is the default; or it leads the default beyond noise, and so does no other
+    finalist within noise of it (two engines that both beat the default, told apart by
+    nothing, are a coin toss that another measurement may settle)."""
+    by_speed = sorted(finalists, key=measurement.p50)
+    fastest = by_speed[0]
+    if fastest is default:
+        return None
+    if not measurement.separable(fastest, default):
+        return f"{fastest.result.name} within noise of the default {default.result.name}"
+    for other in by_speed[1:]:
+        if other is default:
+            break
+        if measurement.separable(other, default) and not measurement.separable(fastest, other):
+            return (f"{fastest.result.name} and {other.result.name} both lead the default "
+                    f"{default.result.name}, within noise of each other")
+    return None
+
+
 @dataclass
 class Choice:
     winner: Trial
@@ -240,8 +267,8 @@ def benchmark_trials(trials: list[Trial], feed: Feed, options: CompileOptions, s
 
     Screening (``_screen``) prunes only what several warm calls show far slower. The finalists
     (every backend's) are then timed in the same interleaved rounds, with the host's load and
-    steal sampled before and during each round. A measurement on a busy host, or one whose
-    fastest finalist is within noise of ``default``, is taken again while the budget lasts.
+    steal sampled before and during each round. A measurement on a busy host, or one that
+    does not settle the choice (``_unclear``), is taken again while the budget lasts.
     The quietest measurement decides: the fastest finalist wins when it is separable from
     ``default``; otherwise ``default`` is kept, and the verdict says why. On a host that stayed
     busy, a finalist that differs from the default in its thread policy cannot win: contention
@@ -257,14 +284,13 @@ def benchmark_trials(trials: list[Trial], feed: Feed, options: CompileOptions, s
         measurements = [_measure(finalists, feed, iterations, 0)]
         while len(measurements) <= MAX_REMEASURES:
             last = measurements[-1]
-            fastest = min(finalists, key=last.p50)
-            if len(finalists) == 1 or (
-                    last.quiet and (fastest is default or last.separable(fastest, default))):
+            unclear = _unclear(last, finalists, default)
+            if len(finalists) == 1 or (last.quiet and unclear is None):
                 break  # nothing to choose between, or a clear choice
             if budget_left(started, options.tuning_budget_s) < last.seconds:
                 break
-            logger.info("re-measuring: host busy %.2f, steal %.2f, %s within noise of %s",
-                        last.busy, last.steal, fastest.result.name, default.result.name)
+            logger.info("re-measuring: host busy %.2f, steal %.2f, %s", last.busy, last.steal,
+                        unclear or "the host was busy")
             measurements.append(_measure(finalists, feed, iterations, len(measurements)))
     used = min(measurements, key=lambda m: (not m.quiet, m.busy + m.steal))
     by_speed = sorted(finalists, key=used.p50)

@@ -84,7 +84,8 @@ class CandidateResult(BaseModel):
 
 class HostSample(BaseModel):
     """The host's CPU over one window (``/proc/stat``, ``/proc/loadavg``): ``before`` a
-    measurement (nothing of the tuner's running) or ``during`` one round of it."""
+    measurement of two or more finalists (nothing of the tuner's running) or ``during`` one
+    round of it."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -125,6 +125,8 @@ def test_the_host_is_sampled_before_and_during_every_round(
                            workdir=tmp_path, benchmark_lock=tmp_path / "bench.lock")
     table = result.manifest.tuning
     noise = table.noise
+    finalists = {c.name for c in table.candidates if c.spread is not None}
+    assert len(finalists) > 1, table.candidates  # the idle sample is for a choice
     for measurement in range(noise.measurements):
         samples = [s for s in noise.samples if s.measurement == measurement]
         assert samples[0].phase == "before"
@@ -132,9 +134,22 @@ def test_the_host_is_sampled_before_and_during_every_round(
         assert rounds == list(range(table.rounds))
         assert all(0.0 <= s.busy <= 1.0 and 0.0 <= s.steal <= 1.0 and s.loadavg >= 0
                    for s in samples)
-    finalists = {c.name for c in table.candidates if c.spread is not None}
     assert finalists == set(noise.spread) and table.winner in finalists
     assert noise.verdict and noise.cpus == os.cpu_count()
+
+
+def test_a_lone_finalist_is_timed_without_the_idle_sample(
+        tmp_path: Path, fingerprint: HardwareFingerprint) -> None:
+    """With one finalist there is nothing to choose, so no idle sample is taken; the host is
+    still sampled during every round of its timing."""
+    result = compile_model(MODEL, CompileOptions(tune="off", **QUICK), fingerprint=fingerprint,
+                           workdir=tmp_path, benchmark_lock=tmp_path / "bench.lock")
+    table = result.manifest.tuning
+    noise = table.noise
+    assert list(noise.spread) == [table.winner]
+    assert {s.phase for s in noise.samples} == {"during"}
+    rounds = sorted(s.round for s in noise.samples if s.round is not None)
+    assert rounds == list(range(table.rounds))
 
 
 def _burn(stop: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-defined]
@@ -255,6 +270,34 @@ def test_a_lead_held_in_every_round_wins_though_the_spreads_overlap(tmp_path: Pa
                                                        + used.half_iqr(challenger))
     assert choice.winner is challenger and choice.noise.separable
     assert "faster in 5 of 5 rounds" in choice.noise.verdict
+
+
+def test_two_finalists_that_both_beat_the_default_within_noise_are_measured_again(
+        tmp_path: Path, quiet_host: None) -> None:
+    # Both lead the default beyond noise, and neither leads the other in every round (the
+    # patterns of the within-noise test above, ten times faster than the default).
+    default = _trial("default", _Scripted([0.012]))
+    one = _trial("one", _Scripted([0.0010, 0.0020, 0.0030]))
+    other = _trial("other", _Scripted([0.0008, 0.0032, 0.0018, 0.0022, 0.0012]))
+    options = CompileOptions(benchmark_iterations=15, tuning_budget_s=30)
+    choice = tuner_measure.benchmark_trials([default, one, other], FEED, options,
+                                            time.perf_counter(), default=default,
+                                            lock=tmp_path / "bench.lock")
+    assert choice.noise.remeasures >= 1  # measured again: a coin toss is no choice
+    assert choice.winner in (one, other) and not choice.noise.separable
+
+
+def test_a_fastest_finalist_clear_of_every_other_is_not_measured_again(
+        tmp_path: Path, quiet_host: None) -> None:
+    default = _trial("default", _Scripted([0.012]))
+    fast = _trial("fast", _Scripted([0.001]))
+    middle = _trial("middle", _Scripted([0.005]))
+    options = CompileOptions(benchmark_iterations=10, tuning_budget_s=30)
+    choice = tuner_measure.benchmark_trials([default, middle, fast], FEED, options,
+                                            time.perf_counter(), default=default,
+                                            lock=tmp_path / "bench.lock")
+    assert choice.winner is fast and choice.noise.separable
+    assert choice.noise.remeasures == 0
 
 
 def _separable(rounds: list[list[float]], other: list[list[float]]) -> bool:
