@@ -9,9 +9,11 @@ tunes the model as a worker would (``precision: fp32``, ``tune: auto``, every ba
 machine has competing); the burners stop; then, on the quiet machine, Kiln's engine (loaded
 from its artifact as an agent loads it) is timed against the best fp32 peer a user would reach
 for without Kiln: plain ``onnxruntime.InferenceSession`` at every optimization level with
-its default threads, in interleaved blocks (the order reversed every other round) so drift
-hits every engine alike. The table gives median [min-max] ms per call and the ratio to the
-best peer; below it, what the tuner recorded about the noise it saw and its verdict.
+its default threads, and OpenVINO fp32 under the LATENCY hint, in interleaved blocks (the
+order reversed every other round) so drift hits every engine alike. All run in this one
+process (``bench/engines.py`` gives each engine a process of its own). The table gives median
+[min-max] ms per call and the ratio to the best peer; below it, what the tuner recorded about
+the noise it saw and its verdict.
 
     .venv/bin/python bench/tuning_under_load.py                      # mlp 3x1024 and ResNet-50
     .venv/bin/python bench/tuning_under_load.py --models mlp --rounds 5 --block 20
@@ -42,17 +44,28 @@ def _burn(stop) -> None:  # a CPU burner: another process on the worker's cores
         pass
 
 
-def _peers(model_path: Path) -> dict[str, object]:
+def _peers(model_path: Path, feed: dict) -> dict[str, object]:
+    """Each peer's call on ``feed``: onnxruntime at every level, and OpenVINO fp32 (pinned to
+    f32: on a CPU with AMX or AVX-512 BF16 the plugin's own default is bf16)."""
     import onnxruntime as ort
 
-    sessions = {}
+    calls = {}
     for level, name in LEVELS.items():
         options = ort.SessionOptions()
         options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, name)
         options.log_severity_level = 3
-        sessions[f"ort L{level} (default threads)"] = ort.InferenceSession(
-            str(model_path), options, providers=["CPUExecutionProvider"])
-    return sessions
+        session = ort.InferenceSession(str(model_path), options,
+                                       providers=["CPUExecutionProvider"])
+        calls[f"ort L{level} (default threads)"] = lambda s=session: s.run(None, feed)
+    try:
+        import openvino as ov
+    except ImportError:
+        return calls
+    compiled = ov.Core().compile_model(ov.convert_model(str(model_path)), "CPU", {
+        "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": "f32"})
+    request = compiled.create_infer_request()
+    calls["ov fp32 (LATENCY hint)"] = lambda: request.infer(feed)
+    return calls
 
 
 def run_model(name: str, args: argparse.Namespace) -> None:
@@ -93,8 +106,7 @@ def run_model(name: str, args: argparse.Namespace) -> None:
     engine = load_executor(artifact, manifest)
     kiln = f"kiln ({manifest.tuning.winner})"
     paths = {kiln: lambda: engine.run(feed)}
-    for label, session in _peers(model.path).items():
-        paths[label] = (lambda s=session: s.run(None, feed))
+    paths.update(_peers(model.path, feed))
     samples = blocks(paths, rounds=args.rounds, block=args.block)
     best_peer = min((n for n in paths if n != kiln), key=lambda n: statistics.median(samples[n]))
     best = statistics.median(samples[best_peer])
