@@ -37,17 +37,21 @@ def timed(fn: Callable[[], object], n: int, warmup: int = 10) -> list[float]:
 
 
 def blocks(paths: dict[str, Callable[[], object]], rounds: int, block: int,
-           skip: int = 5, settle: Callable[[], object] | None = None) -> dict[str, list[float]]:
+           skip: int = 5, settle: Callable[[], object] | None = None,
+           gap_s: float = 0.05) -> dict[str, list[float]]:
     """Seconds per call of each path, in alternating blocks: every round runs each path's
     block of ``block`` timed calls after ``skip`` untimed ones, the order reversed every other
     round, so a drift of the machine's load falls on every path alike. ``settle`` runs after
     the untimed calls and after each timed one, inside the timing (a device synchronize: the
-    figure is then the caller's latency, not the launch's)."""
+    figure is then the caller's latency, not the launch's). Each block starts ``gap_s`` after
+    the one before: a runtime's threads spin-wait a while after a call, and a block timed
+    inside that window shares the cores with them (``bench/spin_gap.py``)."""
     samples: dict[str, list[float]] = {name: [] for name in paths}
     order = list(paths)
     for round_ in range(rounds):
         for name in order if round_ % 2 == 0 else order[::-1]:
             fn = paths[name]
+            time.sleep(gap_s)
             for _ in range(skip):
                 fn()
             if settle is not None:

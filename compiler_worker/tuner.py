@@ -15,7 +15,8 @@ Measuring (``tuner_measure.benchmark_trials``) holds the host's benchmark lock
 candidate that passed gets a warm-up call and ``SCREEN_CALLS`` timed warm calls; only a
 candidate whose fastest call is beyond ``PRUNE_RATIO`` times the fastest candidate's slowest is
 pruned. The finalists, every backend's, are then timed in the same interleaved rounds (round
-``r`` runs every candidate in turn, so drift hits them alike), with the host's CPU sampled
+``r`` runs every candidate in turn, so drift hits them alike, each ``SPIN_GAP_S`` after the one
+before it, whose threads may still spin), with the host's CPU sampled
 before and during each round. A busy host (other processes' share of the CPU over
 ``BUSY_THRESHOLD``, steal over ``STEAL_THRESHOLD``), a fastest finalist within noise of the
 default, or two finalists that both lead the default within noise of each other, is measured

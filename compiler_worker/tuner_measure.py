@@ -57,6 +57,11 @@ def budget_left(started: float, budget_s: float) -> float:
 #: Timed warm calls every candidate gets before any is pruned: one slow call (a page fault,
 #: a neighbour's burst) must not remove a candidate for good.
 SCREEN_CALLS = 3
+#: Seconds between one trial's calls and the next trial's. The runtimes' worker threads
+#: spin-wait a while after a call (onnxruntime's by default); a trial timed inside that
+#: window shares the cores with them, so a small model's figures would follow the order the
+#: trials ran in, not the engines (``bench/spin_gap.py`` shows it with identical sessions).
+SPIN_GAP_S = 0.05
 #: A candidate is pruned when even its fastest warm call takes more than this many times the
 #: slowest warm call of the fastest candidate: no round of noise closes such a gap, and it
 #: would eat the budget.
@@ -117,6 +122,8 @@ def _screen(trials: list[Trial], feed: Feed, protected: Trial | None = None) -> 
         trial.timings.clear()
     for _ in range(SCREEN_CALLS):
         for trial in trials:
+            if len(trials) > 1:
+                time.sleep(SPIN_GAP_S)
             t0 = time.perf_counter()
             trial.executor.run(feed)  # type: ignore[union-attr]
             trial.timings.append((time.perf_counter() - t0) * 1000.0)
@@ -194,7 +201,8 @@ class _Measurement:
 def _measure(trials: list[Trial], feed: Feed, iterations: int, index: int) -> _Measurement:
     """Sample the idle host, then time ``iterations`` calls of every trial in interleaved
     rounds (round ``r`` runs every trial in turn, starting ``r`` trials later, so no trial
-    always follows the same one), sampling the host during each round.
+    always follows the same one, and ``SPIN_GAP_S`` after the one before it), sampling the
+    host during each round.
 
     A lone trial skips the idle sample: it says whether a choice between finalists can be
     trusted, and one trial is no choice (a ``tune: off`` build, or all others pruned); the
@@ -216,6 +224,8 @@ def _measure(trials: list[Trial], feed: Feed, iterations: int, index: int) -> _M
         sampler.start()
         for turn in range(len(trials)):
             trial = trials[(turn + number) % len(trials)]
+            if len(trials) > 1:
+                time.sleep(SPIN_GAP_S)
             run, own = trial.executor.run, timings[id(trial)]  # type: ignore[union-attr]
             for _ in range(count):
                 t0 = time.perf_counter()

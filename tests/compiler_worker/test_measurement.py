@@ -5,6 +5,7 @@ the node, and candidates of every backend timed in the same rounds."""
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import subprocess
@@ -298,6 +299,34 @@ def test_a_fastest_finalist_clear_of_every_other_is_not_measured_again(
                                             lock=tmp_path / "bench.lock")
     assert choice.winner is fast and choice.noise.separable
     assert choice.noise.remeasures == 0
+
+
+def test_each_trial_starts_after_the_spin_gap_of_the_one_before(tmp_path: Path) -> None:
+    # A runtime's threads spin a while after its last call: the next trial's calls must not
+    # fall inside that window, in the screen or in the rounds.
+    calls: list[tuple[str, float, float]] = []
+
+    class Recorded(_Scripted):
+        def __init__(self, name: str) -> None:
+            super().__init__([0.0005])
+            self.name = name
+
+        def run(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+            started = time.perf_counter()
+            super().run(feed)
+            calls.append((self.name, started, time.perf_counter()))
+            return {}
+
+    trials = [_trial(name, Recorded(name)) for name in ("a", "b", "c")]
+    options = CompileOptions(benchmark_iterations=10, tuning_budget_s=30)
+    tuner_measure.benchmark_trials(trials, FEED, options, time.perf_counter(),
+                                   default=trials[0], lock=tmp_path / "bench.lock")
+    timed = calls[len(trials):]  # after each trial's one untimed warm-up call
+    switches = [(before, after) for before, after in itertools.pairwise(timed)
+                if before[0] != after[0]]
+    assert len(switches) > 10
+    assert all(after[1] - before[2] >= tuner_measure.SPIN_GAP_S
+               for before, after in switches), switches
 
 
 def _separable(rounds: list[list[float]], other: list[list[float]]) -> bool:
