@@ -120,10 +120,10 @@ def _screen(trials: list[Trial], feed: Feed, protected: Trial | None = None) -> 
         assert trial.executor is not None
         trial.executor.run(feed)
         trial.timings.clear()
+    # No SPIN_GAP_S between these calls: a neighbour's spinning threads slow a call by less
+    # than the PRUNE_RATIO margin, and a pause per call would add up over every candidate.
     for _ in range(SCREEN_CALLS):
         for trial in trials:
-            if len(trials) > 1:
-                time.sleep(SPIN_GAP_S)
             t0 = time.perf_counter()
             trial.executor.run(feed)  # type: ignore[union-attr]
             trial.timings.append((time.perf_counter() - t0) * 1000.0)

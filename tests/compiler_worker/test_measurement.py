@@ -302,8 +302,8 @@ def test_a_fastest_finalist_clear_of_every_other_is_not_measured_again(
 
 
 def test_each_trial_starts_after_the_spin_gap_of_the_one_before(tmp_path: Path) -> None:
-    # A runtime's threads spin a while after its last call: the next trial's calls must not
-    # fall inside that window, in the screen or in the rounds.
+    # A runtime's threads spin a while after its last call: the next trial's timed calls
+    # must not fall inside that window.
     calls: list[tuple[str, float, float]] = []
 
     class Recorded(_Scripted):
@@ -321,7 +321,8 @@ def test_each_trial_starts_after_the_spin_gap_of_the_one_before(tmp_path: Path) 
     options = CompileOptions(benchmark_iterations=10, tuning_budget_s=30)
     tuner_measure.benchmark_trials(trials, FEED, options, time.perf_counter(),
                                    default=trials[0], lock=tmp_path / "bench.lock")
-    timed = calls[len(trials):]  # after each trial's one untimed warm-up call
+    # After the screen: each trial's untimed warm-up call and its SCREEN_CALLS warm calls.
+    timed = calls[len(trials) * (1 + tuner_measure.SCREEN_CALLS):]
     switches = [(before, after) for before, after in itertools.pairwise(timed)
                 if before[0] != after[0]]
     assert len(switches) > 10
