@@ -396,10 +396,14 @@ class Planner:
                     self.session, model_id=model_id, compatibility_keys=every,
                     options_digest=options_digest)
                 seen.update(a.id for a in found)
-                usable = [Usable(a, tier) for a in found
-                          if a.backend in compat and a.compatibility_key in compat[a.backend]
-                          and a.id not in refused
-                          and self._runs(a.id, fingerprint, manifests)]
+                newest: dict[str, Usable] = {}  # per backend, the newest that runs here
+                for a in found:
+                    if (a.backend not in newest and a.backend in compat
+                            and a.compatibility_key in compat[a.backend]
+                            and a.id not in refused
+                            and self._runs(a.id, fingerprint, manifests)):
+                        newest[a.backend] = Usable(a, tier)
+                usable = list(newest.values())
                 if usable:
                     break
             else:

@@ -265,8 +265,11 @@ def find_compatible_artifacts(
     compatibility_keys: list[str],
     options_digest: str | None = None,
 ) -> list[ArtifactSummary]:
-    """``find_compatible_artifact`` for several backends in one query: the newest artifact of
-    ``model_id`` per backend whose compatibility key is one of ``compatibility_keys``."""
+    """``find_compatible_artifact`` for several backends in one query: every artifact of
+    ``model_id`` whose compatibility key is one of ``compatibility_keys``, newest first. All of
+    them, not the newest per backend: the caller takes the newest that runs on its node, and
+    the newest of a backend may not (another build's options may need an instruction it
+    lacks)."""
     if not compatibility_keys:
         return []
     stmt = sa.select(ArtifactRow).where(
@@ -277,10 +280,7 @@ def find_compatible_artifacts(
     if options_digest is not None:
         stmt = stmt.where(ArtifactRow.options_digest == options_digest)
     stmt = stmt.order_by(ArtifactRow.created_at.desc(), ArtifactRow.id)
-    found: dict[str, ArtifactSummary] = {}
-    for row in session.scalars(stmt):
-        found.setdefault(row.backend, _artifact(row))
-    return list(found.values())
+    return [_artifact(row) for row in session.scalars(stmt)]
 
 
 def get_artifact(session: Session, *, artifact_id: str) -> ArtifactSummary:

@@ -10,6 +10,7 @@ import pytest
 from artifact_store.signing import DESIRED_STATE_PAYLOAD_TYPE, TrustedRoot
 from kiln.examples import mlp, small_cnn
 from schemas import CompileOptions
+from schemas.fingerprint import EngineRequirements
 from services.db import make_engine, make_session_factory, repo, session_scope
 from services.signer import root_metadata
 from tests.services.api.conftest import make_settings, node_fingerprint, registration
@@ -175,6 +176,33 @@ def test_tiers_exact_fallback_then_exact_for_a_new_chip_variant(api, settings):
     assert keys[v3]["agents"] == 1 and keys[v3]["workers"] == 0
     assert summary["deployments"] == [{"deployment": "svc", "keys": {KEY_V4: "exact",
                                                                      v3: "exact"}}]
+
+
+def test_a_newer_fallback_the_node_cannot_run_does_not_hide_one_it_can(api, settings):
+    """Two portable engines of the model: the newer one (int8, say) needs an instruction the
+    node lacks. The node is served the older one, whichever was recorded last."""
+    factory = make_session_factory(make_engine(settings.database_url))
+    v3, portable = "ort-cpu-x86-64-v3-ort1.32", "ort-cpu-x86-64-portable-ort1.32"
+    with session_scope(factory) as session:
+        repo.heartbeat_worker(session, name="w-v4", fingerprint_keys=[KEY_V4], fingerprint=FP,
+                              portable_keys={KEY_V4: portable})
+    model_id = upload(api, mlp().SerializeToString()).json()["id"]
+    deploy(api, "svc", model_id, {})
+
+    def record_portable(options: CompileOptions, features: list[str]) -> str:
+        built = manifest(model_id, options=options, fingerprint_key=KEY_V4).model_copy(update={
+            "compatibility_key": portable,
+            "requirements": EngineRequirements(arch="x86_64", features=features)})
+        with session_scope(factory) as session:
+            artifact, _ = repo.record_artifact(session, model_id=model_id, manifest=built)
+        return artifact.id
+
+    runs_here = record_portable(CompileOptions(portability="portable"), [])
+    record_portable(CompileOptions(portability="portable", precision="int8"),
+                    ["avx512_vnni|avx_vnni|amx_int8"])  # newer, and not for a v3 node
+    (model,) = signed_state(api, api.post("/v1/agents", json=registration("v3-node", v3)))[
+        "models"]
+    assert model["tier"] == "fallback" and model["artifact_id"] == runs_here, model
 
 
 def test_fleet_reports_fallback_tier_from_agents(api, settings):
