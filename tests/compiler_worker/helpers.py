@@ -13,8 +13,9 @@ from schemas.options import CompileOptions
 
 
 def fast_options(**overrides: object) -> CompileOptions:
-    """Options with few verification samples and benchmark iterations (tests stay quick)."""
-    values: dict[str, object] = {"verify_samples": 2, "benchmark_iterations": 3}
+    """Options with few verification samples and benchmark iterations, untuned (the backend's
+    default candidate alone): for tests of what a build does, not of what tuning chooses."""
+    values: dict[str, object] = {"verify_samples": 2, "benchmark_iterations": 3, "tune": "off"}
     values.update(overrides)
     return CompileOptions(**values)
 
