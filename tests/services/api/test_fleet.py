@@ -125,14 +125,23 @@ def test_bad_fleet_requests(api):
     assert api.delete("/v1/deployments/nope").status_code == 404
 
 
-def test_tiers_exact_fallback_then_exact_for_a_new_chip_variant(api, settings):
-    """A node with an unseen key gets a portable fallback at once and its own engine queued."""
+V3, PORTABLE = "ort-cpu-x86-64-v3-ort1.32", "ort-cpu-x86-64-portable-ort1.32"
+
+
+def v4_worker_and_model(api, settings):
+    """A session factory, after a v4 worker that builds portable engines (``PORTABLE``)
+    registered, and an uploaded model's id."""
     factory = make_session_factory(make_engine(settings.database_url))
-    v3, portable = "ort-cpu-x86-64-v3-ort1.32", "ort-cpu-x86-64-portable-ort1.32"
     with session_scope(factory) as session:
         repo.heartbeat_worker(session, name="w-v4", fingerprint_keys=[KEY_V4], fingerprint=FP,
-                              portable_keys={KEY_V4: portable})
-    model_id = upload(api, mlp().SerializeToString()).json()["id"]
+                              portable_keys={KEY_V4: PORTABLE})
+    return factory, upload(api, mlp().SerializeToString()).json()["id"]
+
+
+def test_tiers_exact_fallback_then_exact_for_a_new_chip_variant(api, settings):
+    """A node with an unseen key gets a portable fallback at once and its own engine queued."""
+    factory, model_id = v4_worker_and_model(api, settings)
+    v3, portable = V3, PORTABLE
     options = CompileOptions()  # level 3: hardware-specific, no compatibility key
     with session_scope(factory) as session:
         repo.record_artifact(session, model_id=model_id, manifest=manifest(
@@ -181,12 +190,8 @@ def test_tiers_exact_fallback_then_exact_for_a_new_chip_variant(api, settings):
 def test_a_newer_fallback_the_node_cannot_run_does_not_hide_one_it_can(api, settings):
     """Two portable engines of the model: the newer one (int8, say) needs an instruction the
     node lacks. The node is served the older one, whichever was recorded last."""
-    factory = make_session_factory(make_engine(settings.database_url))
-    v3, portable = "ort-cpu-x86-64-v3-ort1.32", "ort-cpu-x86-64-portable-ort1.32"
-    with session_scope(factory) as session:
-        repo.heartbeat_worker(session, name="w-v4", fingerprint_keys=[KEY_V4], fingerprint=FP,
-                              portable_keys={KEY_V4: portable})
-    model_id = upload(api, mlp().SerializeToString()).json()["id"]
+    factory, model_id = v4_worker_and_model(api, settings)
+    portable = PORTABLE
     deploy(api, "svc", model_id, {})
 
     def record_portable(options: CompileOptions, features: list[str]) -> str:
@@ -200,7 +205,7 @@ def test_a_newer_fallback_the_node_cannot_run_does_not_hide_one_it_can(api, sett
     runs_here = record_portable(CompileOptions(portability="portable"), [])
     record_portable(CompileOptions(portability="portable", precision="int8"),
                     ["avx512_vnni|avx_vnni|amx_int8"])  # newer, and not for a v3 node
-    (model,) = signed_state(api, api.post("/v1/agents", json=registration("v3-node", v3)))[
+    (model,) = signed_state(api, api.post("/v1/agents", json=registration("v3-node", V3)))[
         "models"]
     assert model["tier"] == "fallback" and model["artifact_id"] == runs_here, model
 
