@@ -15,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rich.console import Console
 
+from compiler_worker.tuner_measure import SPIN_GAP_S
+
 console = Console(width=170)
 
 
@@ -38,14 +40,15 @@ def timed(fn: Callable[[], object], n: int, warmup: int = 10) -> list[float]:
 
 def blocks(paths: dict[str, Callable[[], object]], rounds: int, block: int,
            skip: int = 5, settle: Callable[[], object] | None = None,
-           gap_s: float = 0.05) -> dict[str, list[float]]:
+           gap_s: float = SPIN_GAP_S) -> dict[str, list[float]]:
     """Seconds per call of each path, in alternating blocks: every round runs each path's
     block of ``block`` timed calls after ``skip`` untimed ones, the order reversed every other
     round, so a drift of the machine's load falls on every path alike. ``settle`` runs after
     the untimed calls and after each timed one, inside the timing (a device synchronize: the
     figure is then the caller's latency, not the launch's). Each block starts ``gap_s`` after
-    the one before: a runtime's threads spin-wait a while after a call, and a block timed
-    inside that window shares the cores with them (``bench/spin_gap.py``)."""
+    the one before (the tuner's pause): a runtime's threads spin-wait a while after a call,
+    and a block timed inside that window shares the cores with them (``bench/spin_gap.py``);
+    its untimed calls wake the path's own threads."""
     samples: dict[str, list[float]] = {name: [] for name in paths}
     order = list(paths)
     for round_ in range(rounds):

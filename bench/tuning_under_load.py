@@ -46,7 +46,8 @@ def _burn(stop) -> None:  # a CPU burner: another process on the worker's cores
 
 def _peers(model_path: Path, feed: dict) -> dict[str, object]:
     """Each peer's call on ``feed``: onnxruntime at every level, and OpenVINO fp32 (pinned to
-    f32: on a CPU with AMX or AVX-512 BF16 the plugin's own default is bf16)."""
+    f32: on a CPU with AMX or AVX-512 BF16 the plugin's own default is bf16) where OpenVINO is
+    installed."""
     import onnxruntime as ort
 
     calls = {}

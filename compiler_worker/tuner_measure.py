@@ -78,7 +78,7 @@ MIN_PAIRED_ROUNDS = 5
 #: ... and by at least this share of the slower one's median: a smaller lead is not worth
 #: leaving the default for (nodes and builds differ by as much).
 MIN_LEAD = 0.02
-#: Seconds the host is sampled, idle, before each measurement.
+#: Seconds the host is sampled, idle, before each measurement of two or more finalists.
 HOST_SAMPLE_S = 0.1
 #: Shorter windows hold too few of the kernel's CPU-time ticks to say anything (a round of a
 #: tiny model lasts under a millisecond): they are recorded, and the whole measurement's
@@ -154,6 +154,11 @@ class _Measurement:
     per_round: list[int] = field(default_factory=list)
 
     @property
+    def sampled(self) -> bool:
+        """Whether any window was long enough to say how busy the host was."""
+        return any(s.seconds >= MIN_SAMPLE_S for s in self.samples)
+
+    @property
     def busy(self) -> float:
         return max((s.busy for s in self.samples if s.seconds >= MIN_SAMPLE_S), default=0.0)
 
@@ -224,9 +229,10 @@ def _measure(trials: list[Trial], feed: Feed, iterations: int, index: int) -> _M
         sampler.start()
         for turn in range(len(trials)):
             trial = trials[(turn + number) % len(trials)]
+            run, own = trial.executor.run, timings[id(trial)]  # type: ignore[union-attr]
             if len(trials) > 1:
                 time.sleep(SPIN_GAP_S)
-            run, own = trial.executor.run, timings[id(trial)]  # type: ignore[union-attr]
+                run(feed)  # untimed: it wakes this trial's own threads after the pause
             for _ in range(count):
                 t0 = time.perf_counter()
                 run(feed)
@@ -288,7 +294,11 @@ def benchmark_trials(trials: list[Trial], feed: Feed, options: CompileOptions, s
         finalists = _screen(trials, feed, protected=default)
         per_round_s = sum(float(np.median(t.timings)) for t in finalists) / 1000.0
         iterations = options.benchmark_iterations
-        left = budget_left(started, options.tuning_budget_s)
+        # Beside the timed calls: the idle sample, and each round's pause and untimed call
+        # per finalist.
+        overhead_s = (HOST_SAMPLE_S + ROUNDS * (len(finalists) * SPIN_GAP_S + per_round_s)
+                      if len(finalists) > 1 else 0.0)
+        left = budget_left(started, options.tuning_budget_s) - overhead_s
         if per_round_s > 0 and iterations * per_round_s > left:
             iterations = max(MIN_ITERATIONS, int(left / per_round_s))
         measurements = [_measure(finalists, feed, iterations, 0)]
@@ -302,13 +312,17 @@ def benchmark_trials(trials: list[Trial], feed: Feed, options: CompileOptions, s
             logger.info("re-measuring: host busy %.2f, steal %.2f, %s", last.busy, last.steal,
                         unclear or "the host was busy")
             measurements.append(_measure(finalists, feed, iterations, len(measurements)))
-    used = min(measurements, key=lambda m: (not m.quiet, m.busy + m.steal))
+    # The quietest measurement decides, a clear one before one that left the choice open.
+    used = min(measurements, key=lambda m: (not m.quiet,
+                                            _unclear(m, finalists, default) is not None,
+                                            m.busy + m.steal))
     by_speed = sorted(finalists, key=used.p50)
     eligible = by_speed if used.quiet else [
         t for t in by_speed if t is default or _eligible_when_busy(t, default, used)]
     fastest = eligible[0] if eligible else default
     host = (f"host busy {used.busy:.2f} / steal {used.steal:.2f} (thresholds "
-            f"{BUSY_THRESHOLD:g} / {STEAL_THRESHOLD:g})")
+            f"{BUSY_THRESHOLD:g} / {STEAL_THRESHOLD:g})" if used.sampled else
+            f"host not sampled (every window under {MIN_SAMPLE_S:g} s)")
     if default not in finalists:
         winner, verdict = by_speed[0], f"fastest finalist; {host}"
     elif fastest is default:

@@ -33,7 +33,7 @@ def key(fingerprint) -> str:
 
 
 def options():
-    return fast_options(tune="off")
+    return fast_options()
 
 
 def test_a_worker_builds_publishes_and_hits_the_cache_through_the_api_alone(

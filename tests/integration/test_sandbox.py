@@ -6,7 +6,9 @@ in no job error and no log."""
 from __future__ import annotations
 
 import json
+import tempfile
 import textwrap
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,11 +61,12 @@ def onnx_keys(stack: RunningStack) -> list[str]:
 
 
 def _sandboxed_stack(request: pytest.FixtureRequest, tmp_path: Path,
-                     monkeypatch: pytest.MonkeyPatch, timeout_s: int) -> Iterator[RunningStack]:
+                     monkeypatch: pytest.MonkeyPatch, timeout_s: int,
+                     **overrides: str) -> Iterator[RunningStack]:
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "kiln"))
     yield from _start(request, tmp_path, "embedded",
                       {"KILN_SANDBOX_MEMORY_BYTES": str(2 << 30),
-                       "KILN_SANDBOX_TIMEOUT_S": str(timeout_s)})
+                       "KILN_SANDBOX_TIMEOUT_S": str(timeout_s), **overrides})
 
 
 @pytest.fixture
@@ -77,8 +80,16 @@ def stack(request: pytest.FixtureRequest, tmp_path: Path,
 @pytest.fixture
 def short_clock_stack(request: pytest.FixtureRequest, tmp_path: Path,
                       monkeypatch: pytest.MonkeyPatch) -> Iterator[RunningStack]:
-    """``stack`` with a wall clock of ``SHORT_CLOCK_S``."""
-    yield from _sandboxed_stack(request, tmp_path, monkeypatch, SHORT_CLOCK_S)
+    """``stack`` with a wall clock of ``SHORT_CLOCK_S``, and a benchmark lock of its own: the
+    clock runs while a build waits for the host's lock, which another test process's tuning
+    may hold. (Outside ``/tmp``, which a sandboxed build sees as its own.)"""
+    lock = Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()) / \
+        f"kiln-test-{uuid.uuid4().hex}.lock"
+    try:
+        yield from _sandboxed_stack(request, tmp_path, monkeypatch, SHORT_CLOCK_S,
+                                    KILN_BENCHMARK_LOCK=str(lock))
+    finally:
+        lock.unlink(missing_ok=True)
 
 
 def test_a_build_past_the_memory_limit_fails_typed_and_the_worker_builds_the_next(stack):

@@ -265,11 +265,11 @@ def find_compatible_artifacts(
     compatibility_keys: list[str],
     options_digest: str | None = None,
 ) -> list[ArtifactSummary]:
-    """``find_compatible_artifact`` for several backends in one query: every artifact of
-    ``model_id`` whose compatibility key is one of ``compatibility_keys``, newest first. All of
-    them, not the newest per backend: the caller takes the newest that runs on its node, and
-    the newest of a backend may not (another build's options may need an instruction it
-    lacks)."""
+    """Every artifact of ``model_id`` whose compatibility key is one of ``compatibility_keys``
+    (built with ``options_digest`` when given), newest first, whatever its backend, in one
+    query. All of them, not the newest per backend as ``find_compatible_artifact`` gives: the
+    caller takes the newest that runs on its node, and the newest may not (another build's
+    options may need an instruction the node lacks)."""
     if not compatibility_keys:
         return []
     stmt = sa.select(ArtifactRow).where(
