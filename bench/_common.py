@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rich.console import Console
 
-from compiler_worker.tuner_measure import SPIN_GAP_S
+from compiler_worker.benchmark import SPIN_GAP_S
 
 console = Console(width=170)
 

@@ -5,7 +5,7 @@ The sessions load the same model with the same options, so any difference betwee
 medians is the measurement's, not the engines'. Without a pause, a session's block starts while
 the previous session's worker threads still spin-wait for work, and on a small machine the two
 share the cores: the medians then follow the order the sessions ran in. This is why the tuner
-(``compiler_worker.tuner_measure.SPIN_GAP_S``) and ``bench._common.blocks`` wait between two
+(``compiler_worker.benchmark.SPIN_GAP_S``) and ``bench._common.blocks`` wait between two
 engines' calls. The table gives each session's median [min-max] per gap, and the spread of the
 medians (slowest over fastest): near 1.00 means the order no longer matters.
 

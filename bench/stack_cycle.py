@@ -25,18 +25,13 @@ from rich.table import Table
 
 from compiler_worker.benchmark import read_cpu_times
 from kiln.stack import EmbeddedStack
-from tests.conftest import migrated_sqlite, wait_for
+from tests.conftest import migrated_sqlite
+from tests.integration.conftest import wait_for_worker
 
 
 def children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-def wait_registered(stack: EmbeddedStack, timeout_s: float = 60) -> None:
-    client = stack.client()
-    wait_for(lambda: client.live_fingerprint_keys("onnx"), timeout_s, "a worker to register")
-    client.close()
 
 
 def one_cycle(root: Path) -> dict[str, float]:
@@ -46,7 +41,9 @@ def one_cycle(root: Path) -> dict[str, float]:
     cpu, started = children_cpu(), time.perf_counter()
     stack.start()
     ready = time.perf_counter()
-    wait_registered(stack)
+    client = stack.client()
+    wait_for_worker(client)
+    client.close()
     registered = time.perf_counter()
     stack.stop()
     stopped = time.perf_counter()

@@ -56,6 +56,13 @@ def benchmark(
 
 # --- the host's share: one benchmark at a time, and what else ran ---------------------------
 
+#: Seconds between one engine's timed calls and the next engine's, wherever several are timed
+#: in one process (the tuner's rounds, the benchmarks' blocks). The runtimes' worker threads
+#: spin-wait a while after a call (onnxruntime's by default); an engine timed inside that
+#: window shares the cores with them, so a small model's figures would follow the order the
+#: engines ran in (``bench/spin_gap.py`` shows it with identical sessions).
+SPIN_GAP_S = 0.05
+
 #: Where every Kiln process on a host takes its turn to time engines (``KILN_BENCHMARK_LOCK``
 #: overrides it). ``/dev/shm`` is the host's own memory-backed folder: a sandboxed build's
 #: ``/tmp`` is private to it, and Landlock lets it read ``/dev``, where it opens the lock file.

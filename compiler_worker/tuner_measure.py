@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from compiler_worker.backends.base import Backend, BuiltEngine, Candidate
-from compiler_worker.benchmark import CpuSampler, host_lock, sample_host
+from compiler_worker.benchmark import SPIN_GAP_S, CpuSampler, host_lock, sample_host
 from runtime_agent.executors import Executor
 from schemas.manifest import ArtifactManifest, VerificationResult
 from schemas.options import CompileOptions
@@ -57,11 +57,6 @@ def budget_left(started: float, budget_s: float) -> float:
 #: Timed warm calls every candidate gets before any is pruned: one slow call (a page fault,
 #: a neighbour's burst) must not remove a candidate for good.
 SCREEN_CALLS = 3
-#: Seconds between one trial's calls and the next trial's. The runtimes' worker threads
-#: spin-wait a while after a call (onnxruntime's by default); a trial timed inside that
-#: window shares the cores with them, so a small model's figures would follow the order the
-#: trials ran in, not the engines (``bench/spin_gap.py`` shows it with identical sessions).
-SPIN_GAP_S = 0.05
 #: A candidate is pruned when even its fastest warm call takes more than this many times the
 #: slowest warm call of the fastest candidate: no round of noise closes such a gap, and it
 #: would eat the budget.
@@ -213,8 +208,9 @@ def _measure(trials: list[Trial], feed: Feed, iterations: int, index: int) -> _M
     trusted, and one trial is no choice (a ``tune: off`` build, or all others pruned); the
     samples taken while it ran still say how busy the host was for its figures."""
     started = time.perf_counter()
+    choosing = len(trials) > 1
     samples = []
-    if len(trials) > 1:
+    if choosing:
         before = sample_host(HOST_SAMPLE_S)
         samples.append(HostSample(measurement=index, phase="before", seconds=before.seconds,
                                   busy=before.busy, steal=before.steal,
@@ -230,7 +226,7 @@ def _measure(trials: list[Trial], feed: Feed, iterations: int, index: int) -> _M
         for turn in range(len(trials)):
             trial = trials[(turn + number) % len(trials)]
             run, own = trial.executor.run, timings[id(trial)]  # type: ignore[union-attr]
-            if len(trials) > 1:
+            if choosing:
                 time.sleep(SPIN_GAP_S)
                 run(feed)  # untimed: it wakes this trial's own threads after the pause
             for _ in range(count):

@@ -6,7 +6,6 @@ in no job error and no log."""
 from __future__ import annotations
 
 import json
-import tempfile
 import textwrap
 import uuid
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from compiler_worker.benchmark import default_lock_path
 from schemas import JobStatus
 from tests.compiler_worker.helpers import fast_options
 from tests.compiler_worker.test_sandbox import inflating_model
@@ -83,8 +83,7 @@ def short_clock_stack(request: pytest.FixtureRequest, tmp_path: Path,
     """``stack`` with a wall clock of ``SHORT_CLOCK_S``, and a benchmark lock of its own: the
     clock runs while a build waits for the host's lock, which another test process's tuning
     may hold. (Outside ``/tmp``, which a sandboxed build sees as its own.)"""
-    lock = Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()) / \
-        f"kiln-test-{uuid.uuid4().hex}.lock"
+    lock = default_lock_path().parent / f"kiln-test-{uuid.uuid4().hex}.lock"
     try:
         yield from _sandboxed_stack(request, tmp_path, monkeypatch, SHORT_CLOCK_S,
                                     KILN_BENCHMARK_LOCK=str(lock))
