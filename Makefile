@@ -43,6 +43,7 @@ bench: install
 	$(BIN)/python bench/crossbackend.py
 	$(BIN)/python bench/stack_cycle.py
 	$(BIN)/python bench/spin_gap.py
+	$(BIN)/python bench/zoo_tuned.py
 
 compose-check:
 	KILN_SECRET_KEY=placeholder POSTGRES_PASSWORD=x MINIO_ROOT_USER=x MINIO_ROOT_PASSWORD=placeholder KILN_AGENT_TOKEN=x KILN_AGENT_SERVE_TOKEN=x KILN_WORKER_TOKEN=x \
