@@ -4,7 +4,8 @@ the agent's hardware, and builds queued for what is missing.
 Tiers, best first: ``exact`` (built for the node's fingerprint key; rebuilt, while it keeps
 serving, when a plugin it was built with has a newer version) → ``compatible`` (same
 model and options, built elsewhere, carrying a compatibility key the node has) → ``fallback``
-(a portable engine of the same model built with other options) → ``none``. Below ``exact``
+(a portable engine of the same model built with other options, whose numerics the
+deployment accepts: ``numerics_accepted``) → ``none``. Below ``exact``
 the node's own engine is queued, and a portable build too when there is nothing to serve
 meanwhile; the agent moves to the better engine when it lands.
 
@@ -48,7 +49,7 @@ from schemas.fingerprint import (
 )
 from schemas.fleet import DeploymentCoverage, FleetKey, FleetSummary
 from schemas.manifest import ArtifactSummary
-from schemas.options import Portability
+from schemas.options import AccuracyMetric, Portability, Precision
 from schemas.rollouts import Rollout
 from services.api.engine_choice import Usable, choose_engine, nothing_left
 from services.api.enqueue import enqueue_jobs
@@ -401,7 +402,8 @@ class Planner:
                     if (a.backend not in newest and a.backend in compat
                             and a.compatibility_key in compat[a.backend]
                             and a.id not in refused
-                            and self._runs(a.id, fingerprint, manifests)):
+                            and self._runs(a.id, fingerprint, manifests)
+                            and self._numerics_accepted(a.id, deployment.options, manifests)):
                         newest[a.backend] = Usable(a, tier)
                 usable = list(newest.values())
                 if usable:
@@ -445,11 +447,39 @@ class Planner:
         return (manifest.requirements is None
                 or not unmet_requirements(manifest.requirements, fingerprint))
 
+    def _numerics_accepted(self, artifact_id: str, wanted: CompileOptions,
+                           manifests: dict) -> bool:
+        manifest = manifests.get(artifact_id) or repo.get_manifest(
+            self.session, artifact_id=artifact_id)
+        return numerics_accepted(manifest.precision, manifest.options, wanted)
+
     def commit(self) -> None:
         self.session.commit()
         # A build the broker refused stays queued; the API's sweep sends it when it is back.
         enqueue_jobs(self.session, self.queue, self.to_enqueue, fail_unsent=False)
         self.to_enqueue.clear()
+
+
+def numerics_accepted(precision: str, built: CompileOptions, wanted: CompileOptions) -> bool:
+    """Whether an engine computing in ``precision`` (its manifest's: ``fp32``,
+    ``int8-dynamic``, ``bf16``, ...), built with ``built``, may serve a deployment that asked
+    for ``wanted``. An fp32 engine serves any: it is as exact as the reference. A
+    reduced-precision one serves only a deployment that allows reduced precision (``auto``, or
+    that precision), and only when it passed a gate at least as strict as the deployment's
+    own (the same metric, a threshold no looser): a fallback that quietly changed the answers
+    an fp32 deployment gets would be a silent downgrade, not a fallback."""
+    if precision == "fp32":
+        return True
+    if wanted.precision is Precision.FP32:
+        return False
+    if wanted.precision is not Precision.AUTO and precision.split("-")[0] != wanted.precision:
+        return False
+    mine, theirs = built.accuracy, wanted.accuracy
+    if mine.metric is not theirs.metric:
+        return False
+    if mine.metric is AccuracyMetric.MAX_ABS:
+        return mine.threshold <= theirs.threshold
+    return mine.threshold >= theirs.threshold
 
 
 def _why_missing(job: CompileJob | None) -> str:

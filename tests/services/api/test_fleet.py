@@ -414,3 +414,33 @@ def test_planning_two_backends_costs_the_queries_of_one(api, settings, tmp_path,
         assert (desired["artifact_id"] is not None) == landed
         api.delete("/v1/deployments/tiny")
     assert counts[1] == counts[2], "\n".join(counts[1]) + "\n----\n" + "\n".join(counts[2])
+
+
+def test_an_fp32_deployment_never_falls_back_to_a_reduced_precision_engine(api, settings):
+    """The model's portable engines: fp32, then a newer int8 one that runs on the node. An
+    fp32 deployment is served the fp32 one (int8 would change its answers silently); one that
+    allows int8 under the same gate takes the int8 engine, and not under a stricter gate."""
+    factory, model_id = v4_worker_and_model(api, settings)
+
+    def record_portable(options: CompileOptions, precision: str) -> str:
+        built = manifest(model_id, options=options, fingerprint_key=KEY_V4).model_copy(update={
+            "compatibility_key": PORTABLE, "precision": precision,
+            "requirements": EngineRequirements(arch="x86_64", features=[])})
+        with session_scope(factory) as session:
+            artifact, _ = repo.record_artifact(session, model_id=model_id, manifest=built)
+        return artifact.id
+
+    fp32 = record_portable(CompileOptions(portability="portable"), "fp32")
+    int8 = record_portable(CompileOptions(portability="portable", precision="int8"),
+                           "int8-dynamic")
+    deploy(api, "exact-numerics", model_id, {"tier": "a"})
+    deploy(api, "any-int8", model_id, {"tier": "b"}, precision="int8")
+    deploy(api, "strict-int8", model_id, {"tier": "c"}, precision="int8",
+           accuracy={"metric": "cosine", "threshold": 0.999})
+    served = {}
+    for tier in "abc":
+        body = registration(f"v3-{tier}", V3, {"tier": tier})
+        (model,) = signed_state(api, api.post("/v1/agents", json=body))["models"]
+        assert model["tier"] == "fallback", model
+        served[tier] = model["artifact_id"]
+    assert served == {"a": fp32, "b": int8, "c": fp32}
