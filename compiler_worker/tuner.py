@@ -33,7 +33,8 @@ in ``TuningTable.noise``, every candidate in the table with its figures and why 
 
 ``options.tuning_budget_s`` bounds the wall-clock time of the search: the first candidate is
 always built; after it, the builds keep back what measuring the candidates that passed will
-take (their calls' cost while verified, times the screening and timed calls), and a candidate
+take (``tuner_measure.measuring_reserve``: their calls' cost while verified, times the
+screening and timed calls of the first measurement and of every re-measure), and a candidate
 is not started when that leaves less than its backend's longest build so far; those are
 recorded as ``over_budget`` with the reason. A build that runs in rounds (NNCF's accuracy
 restorer) is given what is left as its deadline (``backends.base.build_deadline``) and stops
@@ -72,6 +73,7 @@ from compiler_worker.tuner_measure import (  # noqa: F401 - *_THRESHOLD: public 
     Trial,
     benchmark_trials,
     budget_left,
+    measuring_reserve,
 )
 from compiler_worker.verify import verification_result
 from runtime_agent.executors import Executor, blob_filename, load_executor
@@ -328,11 +330,12 @@ def tune(
                    if any(t.result.build_s is not None for t in trials[:-1]) else None)
         if built_any:
             # The builds leave the measurement what it needs to time every candidate that
-            # passed with its full iterations (a starved measurement cannot separate the
-            # finalists, so the default would win by default), and a candidate is not started
-            # when its backend's builds so far say it would not finish in what is left.
-            reserve = (SCREEN_CALLS + 1 + options.benchmark_iterations) * sum(
-                t.call_s for t in trials if t.executor is not None)
+            # passed with its full iterations, and to measure again when the host was busy or
+            # the finalists within noise (a starved measurement cannot separate the finalists,
+            # so the default would win by default); a candidate is not started when its
+            # backend's builds so far say it would not finish in what is left.
+            reserve = measuring_reserve([t.call_s for t in trials if t.executor is not None],
+                                        options.benchmark_iterations)
             left = budget_left(started, options.tuning_budget_s) - reserve
             took = [t.result.build_s for t in trials
                     if t.backend is owner and t.result.build_s is not None

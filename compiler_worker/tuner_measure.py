@@ -273,6 +273,19 @@ class Choice:
     iterations: int
 
 
+def measuring_reserve(call_s: list[float], iterations: int) -> float:
+    """Seconds the builds leave for timing trials whose calls take ``call_s``: the screen's
+    warm calls, then the first measurement and every re-measure ``MAX_REMEASURES`` allows,
+    each with its idle sample and each round's pause and untimed call. A build that took the
+    re-measures' share would leave a measurement taken on a busy host, or one that left the
+    finalists within noise, standing alone: the choice the tuner must not make from one
+    measurement."""
+    per_round_s = sum(call_s)
+    one = (HOST_SAMPLE_S + ROUNDS * (len(call_s) * SPIN_GAP_S + per_round_s)
+           + iterations * per_round_s)
+    return SCREEN_CALLS * per_round_s + (1 + MAX_REMEASURES) * one
+
+
 def benchmark_trials(trials: list[Trial], feed: Feed, options: CompileOptions, started: float, *,
                default: Trial, lock: Path | None) -> Choice:
     """Time the trials that passed and choose the winner, under the host's benchmark lock.

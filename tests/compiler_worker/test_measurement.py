@@ -520,3 +520,19 @@ def test_the_worker_takes_a_winner_of_a_peer_backend_and_nothing_else(
                            toolchain=plan.toolchain, artifact_id=plan.artifact_id,
                            peers=(type("Peer", (), {"name": peer})(),))  # type: ignore[arg-type]
     assert _checked_result(answer, with_peer, options, tmp_path, []).manifest.backend == peer
+
+
+def test_the_builds_keep_back_time_for_every_re_measure(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A reserve for one measurement lets a long build (NNCF's accuracy restorer) take the
+    # rest, and a busy or unclear first measurement then stands alone.
+    calls = [0.040, 0.020, 0.010]
+    iterations = 50
+    full = tuner_measure.measuring_reserve(calls, iterations)
+    timed = iterations * sum(calls)
+    assert full >= (1 + tuner_measure.MAX_REMEASURES) * timed
+    monkeypatch.setattr(tuner_measure, "MAX_REMEASURES", 0)
+    alone = tuner_measure.measuring_reserve(calls, iterations)
+    assert timed <= alone < full
+    # The pauses before each block count too: many fast candidates are mostly pauses.
+    fast = tuner_measure.measuring_reserve([1e-5] * 8, iterations)
+    assert fast >= tuner_measure.ROUNDS * 8 * tuner_measure.SPIN_GAP_S
