@@ -190,6 +190,39 @@ def test_a_busy_host_is_measured_again_and_fewer_threads_cannot_win_there(
     assert "intra_op_num_threads" not in result.manifest.runtime_config
 
 
+class _ScriptedClock:
+    """The clock the tuner's measuring reads (``tuner_measure.time``) in these tests: the real
+    one, except that a scripted call (``_Scripted``) advances it by exactly its scripted
+    seconds. The call still sleeps for real, so the host's load is sampled over real windows;
+    but a sleep on a loaded host overshoots by milliseconds, which would reorder trials the
+    tests script apart by less. What the measurement sees is then what the test scripted,
+    however busy the machine that runs the suite."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + self.offset
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def scripted_sleep(self, seconds: float) -> None:
+        started = time.perf_counter()
+        time.sleep(seconds)
+        self.offset += seconds - (time.perf_counter() - started)
+
+
+_CLOCK = _ScriptedClock()
+
+
+@pytest.fixture(autouse=True)
+def _scripted_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    _CLOCK.offset = 0.0
+    monkeypatch.setattr(tuner_measure, "time", _CLOCK)
+    yield
+
+
 class _Scripted:
     """A test double for an executor whose call times are scripted: real onnxruntime sessions
     cannot be made to take a slow first call, or a given spread, on demand."""
@@ -198,7 +231,7 @@ class _Scripted:
         self.seconds, self.calls = seconds, 0
 
     def run(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        time.sleep(self.seconds[self.calls % len(self.seconds)])
+        _CLOCK.scripted_sleep(self.seconds[self.calls % len(self.seconds)])
         self.calls += 1
         return {}
 
