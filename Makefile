@@ -23,11 +23,15 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
-# Whole files per test process, the slowest first (tests/conftest.py). A test process that
-# dies ends the run at once, naming its test: under --dist loadfile, xdist's replacement of a
-# crashed process can wait forever for work that is never sent.
+# Whole files per test process, the slowest first (tests/conftest.py). Four test processes
+# whatever the core count: the integration tests spend much of their time waiting on the
+# processes they start (stacks, agents, restarts, outages held on purpose), so on two cores
+# two test processes left a quarter of the CPU idle; Redis' 16 databases allow five (three
+# each, tests/conftest.py). A test process that dies ends the run at once, naming its test:
+# under --dist loadfile, xdist's replacement of a crashed process can wait forever for work
+# that is never sent.
 test: lint
-	$(BIN)/pytest -q -p no:cacheprovider --durations=25 -n auto --maxprocesses=4 --dist loadfile --max-worker-restart=0
+	$(BIN)/pytest -q -p no:cacheprovider --durations=25 -n 4 --dist loadfile --max-worker-restart=0
 
 bench: install
 	$(BIN)/python bench/submit_to_artifact.py
