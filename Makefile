@@ -26,8 +26,8 @@ lint: install
 # Whole files per test process, the slowest first (tests/conftest.py). Four test processes
 # whatever the core count: the integration tests spend much of their time waiting on the
 # processes they start (stacks, agents, restarts, outages held on purpose), so on two cores
-# two test processes left a quarter of the CPU idle; Redis' 16 databases allow five (three
-# each, tests/conftest.py). A test process that dies ends the run at once, naming its test:
+# two test processes leave the CPU idle for long stretches (vmstat during a run shows it);
+# Redis' 16 databases allow five (three each, tests/conftest.py). A test process that dies ends the run at once, naming its test:
 # under --dist loadfile, xdist's replacement of a crashed process can wait forever for work
 # that is never sent.
 test: lint
