@@ -56,18 +56,39 @@ def _redis_databases() -> tuple[str, int, int]:
 REDIS_URL, REDIS_STACK_DB, REDIS_SHARED_STACK_DB = _redis_databases()
 
 
-#: Test files whose stacks, compiles and trials take the longest, in the order a parallel run
-#: (``pytest -n``, whole files per worker) starts them: started last, one of them would run
-#: alone on one worker after the other has finished. Files not named keep their order, after.
+#: Test files whose stacks, compiles, trials and designed waits take the longest, longest
+#: first: the order a parallel run (``pytest -n``, whole files per worker) starts them in.
+#: Started last, one of them would run alone while the other workers sit idle. Ranked by the
+#: per-file totals of a whole run's ``--junitxml`` (the order, not the figures, is what
+#: matters; re-rank when a file's share changes). Files not named keep their order, after.
 SLOW_FIRST = (
-    "tests/integration/test_compile_flow.py",
-    "tests/conformance/",
+    "tests/conformance/test_onnx_zoo.py",
     "tests/integration/test_recovery_trials.py",
     "tests/integration/test_crossbackend.py",
+    "tests/integration/test_compile_flow.py",
+    "tests/integration/test_operations.py",
+    "tests/integration/test_desired_state.py",
     "tests/runtime_agent/test_agent_trust.py",
+    "tests/integration/test_ui_browser.py",
+    "tests/integration/test_agent.py",
+    "tests/integration/test_rollback_chaos.py",
+    "tests/services/api/test_rollouts.py",
+    "tests/services/api/test_desired_cache.py",
+    "tests/integration/test_sandbox.py",
+    "tests/integration/test_retention.py",
+    "tests/integration/test_plugins.py",
+    "tests/compiler_worker/test_openvino.py",
+    "tests/integration/test_retune.py",
+    "tests/compiler_worker/test_measurement.py",
+    "tests/kiln/test_stack_agent.py",
+    "tests/kiln/test_sdk.py",
+    "tests/integration/test_rollouts.py",
+    "tests/integration/test_hostile_clients.py",
+    "tests/integration/test_api_processes.py",
+    "tests/integration/test_variant_matrix.py",
+    "tests/integration/test_torch_export_flow.py",
     "tests/integration/",
     "tests/compiler_worker/test_aotinductor.py",
-    "tests/services/api/test_rollouts.py",
     "tests/compiler_worker/test_pipeline.py",
     "tests/kiln/",
 )
