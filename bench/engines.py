@@ -2,8 +2,9 @@
 
 Per model, every engine runs in its own process (spawned; each loads its engine once), and the
 parent interleaves timing rounds across them — round ``r`` asks each process in turn for
-``--iters`` timed calls on the same feed, starting one engine later each round — so drift on
-the machine (other load, thermal state) hits every engine alike. Engines:
+``--iters`` timed calls (more, to fill ``MIN_BLOCK_S``) on the same feed, starting one engine
+later each round — so drift on the machine (other load, thermal state) hits every engine
+alike. Engines:
 
 - ``pytorch eager``: the transformers / torch module itself under ``torch.inference_mode``;
 - ``ort L0``..``ort L3``: a plain ``onnxruntime.InferenceSession`` on the exported model at
@@ -91,6 +92,11 @@ class Case:
 
 #: Seconds between two engines' timed blocks (see ``run_case``).
 IDLE_GAP_S = 0.2
+#: The shortest timed block: the host's load is read from ``/proc/stat`` in clock ticks, and
+#: over a block of a few milliseconds (an MLP's 50 calls) one tick of skew between the host's
+#: count and this process's own reads as another process taking the whole CPU. A fast engine
+#: gets more calls per block instead.
+MIN_BLOCK_S = 0.25
 #: Times a block is taken again when another process took more of the CPU than the tuner's
 #: threshold while it ran (a periodic job on the host, say): its figures are dropped.
 RETAKES = 3
@@ -234,7 +240,9 @@ def _worker(conn: Any, spec: dict[str, Any]) -> None:
 
                 samples, sampler = [], CpuSampler()
                 sampler.start()
-                for _ in range(args[0]):
+                block_started = time.perf_counter()
+                while (len(samples) < args[0]
+                       or time.perf_counter() - block_started < MIN_BLOCK_S):
                     started = time.perf_counter()
                     run(feed)
                     samples.append(time.perf_counter() - started)
