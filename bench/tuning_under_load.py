@@ -108,7 +108,13 @@ def run_model(name: str, args: argparse.Namespace) -> None:
     kiln = f"kiln ({manifest.tuning.winner})"
     paths = {kiln: lambda: engine.run(feed)}
     paths.update(_peers(model.path, feed))
+    from compiler_worker.benchmark import CpuSampler
+    from compiler_worker.tuner import BUSY_THRESHOLD, STEAL_THRESHOLD
+
+    sampler = CpuSampler()  # every engine runs in this process: what it counts is the others'
+    sampler.start()
     samples = blocks(paths, rounds=args.rounds, block=args.block)
+    share = sampler.stop()
     best_peer = min((n for n in paths if n != kiln), key=lambda n: statistics.median(samples[n]))
     best = statistics.median(samples[best_peer])
 
@@ -124,6 +130,12 @@ def run_model(name: str, args: argparse.Namespace) -> None:
                       f"{statistics.median(values) / best:.2f}x"
                       + (" (best peer)" if label == best_peer else ""))
     console.print(table)
+    loaded = share.busy > BUSY_THRESHOLD or share.steal > STEAL_THRESHOLD
+    console.print(f"  while timing: other processes {share.busy:.0%} of the CPU, steal "
+                  f"{share.steal:.0%} over {share.seconds:.0f} s (thresholds "
+                  f"{BUSY_THRESHOLD:.0%} / {STEAL_THRESHOLD:.0%})"
+                  + (" — **loaded: measure again on a quiet machine**" if loaded else " — quiet"),
+                  markup=False, highlight=False)
     noise = manifest.tuning.noise
     if noise is not None:
         busy = [s.busy for s in noise.samples if s.seconds >= 0.05]
