@@ -23,7 +23,9 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
-# Whole files per test process, the slowest first (tests/conftest.py). Four test processes
+# Whole files per test process, the slowest first (tests/conftest.py; without
+# --no-loadscope-reorder xdist would start the files with the most tests first, and a long
+# file of one test, started last, would run alone at the end). Four test processes
 # whatever the core count: the integration tests spend much of their time waiting on the
 # processes they start (stacks, agents, restarts, outages held on purpose), so on two cores
 # two test processes leave the CPU idle for long stretches (vmstat during a run shows it);
@@ -31,7 +33,7 @@ lint: install
 # under --dist loadfile, xdist's replacement of a crashed process can wait forever for work
 # that is never sent.
 test: lint
-	$(BIN)/pytest -q -p no:cacheprovider --durations=25 -n 4 --dist loadfile --max-worker-restart=0
+	$(BIN)/pytest -q -p no:cacheprovider --durations=25 -n 4 --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 
 bench: install
 	$(BIN)/python bench/submit_to_artifact.py

@@ -58,20 +58,25 @@ REDIS_URL, REDIS_STACK_DB, REDIS_SHARED_STACK_DB = _redis_databases()
 
 #: Test files whose stacks, compiles, trials and designed waits take the longest, longest
 #: first: the order a parallel run (``pytest -n``, whole files per worker) starts them in.
-#: Started last, one of them would run alone while the other workers sit idle. Ranked by the
-#: per-file totals of a whole run's ``--junitxml`` (the order, not the figures, is what
-#: matters; re-rank when a file's share changes). Files not named keep their order, after.
+#: Started last, one of them would run alone while the other workers sit idle. ``make test``
+#: passes ``--no-loadscope-reorder``: xdist would otherwise start the files with the most
+#: tests first, whatever this order. Ranked by the per-file totals of a whole run's
+#: ``--junitxml``, the files of one long test whose time varies most from run to run moved
+#: up (the order, not the figures, is what matters; re-rank when a file's share changes).
+#: Files not named keep their order, after.
 SLOW_FIRST = (
     "tests/conformance/test_onnx_zoo.py",
     "tests/integration/test_recovery_trials.py",
     "tests/integration/test_crossbackend.py",
+    "tests/integration/test_rollback_chaos.py",
+    "tests/integration/test_rollouts.py",
+    "tests/integration/test_torch_export_flow.py",
     "tests/integration/test_compile_flow.py",
     "tests/integration/test_operations.py",
     "tests/integration/test_desired_state.py",
     "tests/runtime_agent/test_agent_trust.py",
     "tests/integration/test_ui_browser.py",
     "tests/integration/test_agent.py",
-    "tests/integration/test_rollback_chaos.py",
     "tests/services/api/test_rollouts.py",
     "tests/services/api/test_desired_cache.py",
     "tests/integration/test_sandbox.py",
@@ -82,11 +87,9 @@ SLOW_FIRST = (
     "tests/compiler_worker/test_measurement.py",
     "tests/kiln/test_stack_agent.py",
     "tests/kiln/test_sdk.py",
-    "tests/integration/test_rollouts.py",
     "tests/integration/test_hostile_clients.py",
     "tests/integration/test_api_processes.py",
     "tests/integration/test_variant_matrix.py",
-    "tests/integration/test_torch_export_flow.py",
     "tests/integration/",
     "tests/compiler_worker/test_aotinductor.py",
     "tests/compiler_worker/test_pipeline.py",
