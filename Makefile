@@ -29,9 +29,9 @@ lint: install
 # whatever the core count: the integration tests spend much of their time waiting on the
 # processes they start (stacks, agents, restarts, outages held on purpose), so on two cores
 # two test processes leave the CPU idle for long stretches (vmstat during a run shows it);
-# Redis' 16 databases allow five (three each, tests/conftest.py). A test process that dies ends the run at once, naming its test:
-# under --dist loadfile, xdist's replacement of a crashed process can wait forever for work
-# that is never sent.
+# Redis' 16 databases allow five (three each, tests/conftest.py). A test process that dies
+# ends the run at once, naming its test: under --dist loadfile, xdist's replacement of a
+# crashed process can wait forever for work that is never sent.
 test: lint
 	$(BIN)/pytest -q -p no:cacheprovider --durations=25 -n 4 --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 

@@ -588,7 +588,7 @@ def run_case(label: str, case: Case, args: argparse.Namespace, work: Path) -> No
         for engine in live:
             outputs = workers[engine.name].ask("outputs", feeds)
             engine.accuracy, engine.gated = _accuracy(architecture.output, outputs, reference)
-        from compiler_worker.tuner import BUSY_THRESHOLD, STEAL_THRESHOLD
+        from compiler_worker.tuner_measure import BUSY_THRESHOLD, STEAL_THRESHOLD, is_quiet
 
         load, others, steal = [os.getloadavg()[0]], [], []
         for r in range(args.rounds):
@@ -600,7 +600,7 @@ def run_case(label: str, case: Case, args: argparse.Namespace, work: Path) -> No
                     # this one go idle, or its threads share the cores with this one's block.
                     time.sleep(IDLE_GAP_S)
                     times, busy, stolen = workers[engine.name].ask("time", args.iters)
-                    if busy <= BUSY_THRESHOLD and stolen <= STEAL_THRESHOLD:
+                    if is_quiet(busy, stolen):
                         break
                     if attempt < RETAKES:  # another process took the CPU: not a figure
                         retaken[engine.name] = retaken.get(engine.name, 0) + 1
@@ -617,7 +617,7 @@ def run_case(label: str, case: Case, args: argparse.Namespace, work: Path) -> No
     # shared the cores is the CPU share of other processes while each engine was timed,
     # judged by the tuner's own thresholds: a block timed above them is taken again (up to
     # RETAKES times), and a table with one left above them is no result.
-    loaded = max(others, default=0.0) > BUSY_THRESHOLD or max(steal, default=0.0) > STEAL_THRESHOLD
+    loaded = not is_quiet(max(others, default=0.0), max(steal, default=0.0))
     if retaken:
         print("\nBlocks taken again because another process took the CPU meanwhile: "
               + ", ".join(f"{name} {n}" for name, n in sorted(retaken.items())))

@@ -109,7 +109,12 @@ def run_model(name: str, args: argparse.Namespace) -> None:
     paths = {kiln: lambda: engine.run(feed)}
     paths.update(_peers(model.path, feed))
     from compiler_worker.benchmark import CpuSampler
-    from compiler_worker.tuner import BUSY_THRESHOLD, STEAL_THRESHOLD
+    from compiler_worker.tuner_measure import (
+        BUSY_THRESHOLD,
+        MIN_SAMPLE_S,
+        STEAL_THRESHOLD,
+        is_quiet,
+    )
 
     sampler = CpuSampler()  # every engine runs in this process: what it counts is the others'
     sampler.start()
@@ -130,7 +135,7 @@ def run_model(name: str, args: argparse.Namespace) -> None:
                       f"{statistics.median(values) / best:.2f}x"
                       + (" (best peer)" if label == best_peer else ""))
     console.print(table)
-    loaded = share.busy > BUSY_THRESHOLD or share.steal > STEAL_THRESHOLD
+    loaded = not is_quiet(share.busy, share.steal)
     console.print(f"  while timing: other processes {share.busy:.0%} of the CPU, steal "
                   f"{share.steal:.0%} over {share.seconds:.0f} s (thresholds "
                   f"{BUSY_THRESHOLD:.0%} / {STEAL_THRESHOLD:.0%})"
@@ -138,7 +143,7 @@ def run_model(name: str, args: argparse.Namespace) -> None:
                   markup=False, highlight=False)
     noise = manifest.tuning.noise
     if noise is not None:
-        busy = [s.busy for s in noise.samples if s.seconds >= 0.05]
+        busy = [s.busy for s in noise.samples if s.seconds >= MIN_SAMPLE_S]
         console.print(f"  tuner saw: busy {min(busy, default=0):.2f}-{max(busy, default=0):.2f} "
                       f"of the host, steal up to {max(s.steal for s in noise.samples):.2f}, "
                       f"load average up to {max(s.loadavg for s in noise.samples):.2f}; "

@@ -149,21 +149,25 @@ class _Measurement:
     per_round: list[int] = field(default_factory=list)
 
     @property
+    def telling(self) -> list[HostSample]:
+        """The samples whose windows were long enough to say how busy the host was."""
+        return [s for s in self.samples if s.seconds >= MIN_SAMPLE_S]
+
+    @property
     def sampled(self) -> bool:
-        """Whether any window was long enough to say how busy the host was."""
-        return any(s.seconds >= MIN_SAMPLE_S for s in self.samples)
+        return bool(self.telling)
 
     @property
     def busy(self) -> float:
-        return max((s.busy for s in self.samples if s.seconds >= MIN_SAMPLE_S), default=0.0)
+        return max((s.busy for s in self.telling), default=0.0)
 
     @property
     def steal(self) -> float:
-        return max((s.steal for s in self.samples if s.seconds >= MIN_SAMPLE_S), default=0.0)
+        return max((s.steal for s in self.telling), default=0.0)
 
     @property
     def quiet(self) -> bool:
-        return self.busy <= BUSY_THRESHOLD and self.steal <= STEAL_THRESHOLD
+        return is_quiet(self.busy, self.steal)
 
     def p50(self, trial: Trial) -> float:
         return float(np.percentile(self.timings[id(trial)], 50))
@@ -273,6 +277,20 @@ class Choice:
     iterations: int
 
 
+def is_quiet(busy: float, steal: float) -> bool:
+    """Whether a window in which other processes took ``busy`` of the host's CPU and the
+    hypervisor stole ``steal`` counts as quiet (the benchmarks judge their blocks by it too)."""
+    return busy <= BUSY_THRESHOLD and steal <= STEAL_THRESHOLD
+
+
+def _overhead_s(finalists: int, per_round_s: float) -> float:
+    """A measurement's seconds beside its timed calls: the idle sample, and each round's pause
+    and untimed call per finalist (none of them for a lone finalist: no choice to make)."""
+    if finalists < 2:
+        return 0.0
+    return HOST_SAMPLE_S + ROUNDS * (finalists * SPIN_GAP_S + per_round_s)
+
+
 def measuring_reserve(call_s: list[float], iterations: int) -> float:
     """Seconds the builds leave for timing trials whose calls take ``call_s``: the screen's
     warm calls, then the first measurement and every re-measure ``MAX_REMEASURES`` allows,
@@ -281,8 +299,7 @@ def measuring_reserve(call_s: list[float], iterations: int) -> float:
     finalists within noise, standing alone: the choice the tuner must not make from one
     measurement."""
     per_round_s = sum(call_s)
-    one = (HOST_SAMPLE_S + ROUNDS * (len(call_s) * SPIN_GAP_S + per_round_s)
-           + iterations * per_round_s)
+    one = _overhead_s(len(call_s), per_round_s) + iterations * per_round_s
     return SCREEN_CALLS * per_round_s + (1 + MAX_REMEASURES) * one
 
 
@@ -303,11 +320,8 @@ def benchmark_trials(trials: list[Trial], feed: Feed, options: CompileOptions, s
         finalists = _screen(trials, feed, protected=default)
         per_round_s = sum(float(np.median(t.timings)) for t in finalists) / 1000.0
         iterations = options.benchmark_iterations
-        # Beside the timed calls: the idle sample, and each round's pause and untimed call
-        # per finalist.
-        overhead_s = (HOST_SAMPLE_S + ROUNDS * (len(finalists) * SPIN_GAP_S + per_round_s)
-                      if len(finalists) > 1 else 0.0)
-        left = budget_left(started, options.tuning_budget_s) - overhead_s
+        left = (budget_left(started, options.tuning_budget_s)
+                - _overhead_s(len(finalists), per_round_s))
         if per_round_s > 0 and iterations * per_round_s > left:
             iterations = max(MIN_ITERATIONS, int(left / per_round_s))
         measurements = [_measure(finalists, feed, iterations, 0)]

@@ -48,7 +48,7 @@ from schemas.fingerprint import (
     unmet_requirements,
 )
 from schemas.fleet import DeploymentCoverage, FleetKey, FleetSummary
-from schemas.manifest import ArtifactSummary
+from schemas.manifest import ArtifactManifest, ArtifactSummary
 from schemas.options import AccuracyMetric, Portability, Precision
 from schemas.rollouts import Rollout
 from services.api.engine_choice import Usable, choose_engine, nothing_left
@@ -436,21 +436,25 @@ class Planner:
                           else None)
         return desired.model_copy(update=update)
 
+    def _manifest(self, artifact_id: str, manifests: dict) -> ArtifactManifest:
+        """The artifact's manifest from the model's (``manifests``), read once otherwise."""
+        if artifact_id not in manifests:
+            manifests[artifact_id] = repo.get_manifest(self.session, artifact_id=artifact_id)
+        return manifests[artifact_id]
+
     def _runs(self, artifact_id: str, fingerprint: HardwareFingerprint | None,
               manifests: dict) -> bool:
         """Whether the artifact's signed requirements hold on ``fingerprint`` (one without
         them keeps the key rule it was found by, as before they existed)."""
         if fingerprint is None:
             return True
-        manifest = manifests.get(artifact_id) or repo.get_manifest(
-            self.session, artifact_id=artifact_id)
+        manifest = self._manifest(artifact_id, manifests)
         return (manifest.requirements is None
                 or not unmet_requirements(manifest.requirements, fingerprint))
 
     def _numerics_accepted(self, artifact_id: str, wanted: CompileOptions,
                            manifests: dict) -> bool:
-        manifest = manifests.get(artifact_id) or repo.get_manifest(
-            self.session, artifact_id=artifact_id)
+        manifest = self._manifest(artifact_id, manifests)
         return numerics_accepted(manifest.precision, manifest.options, wanted)
 
     def commit(self) -> None:

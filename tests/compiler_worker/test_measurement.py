@@ -217,10 +217,9 @@ _CLOCK = _ScriptedClock()
 
 
 @pytest.fixture(autouse=True)
-def _scripted_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _scripted_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     _CLOCK.offset = 0.0
     monkeypatch.setattr(tuner_measure, "time", _CLOCK)
-    yield
 
 
 class _Scripted:

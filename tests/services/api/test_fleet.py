@@ -138,6 +138,18 @@ def v4_worker_and_model(api, settings):
     return factory, upload(api, mlp().SerializeToString()).json()["id"]
 
 
+def record_portable(factory, model_id: str, options: CompileOptions, *,
+                    precision: str = "fp32", features: tuple[str, ...] = ()) -> str:
+    """Record a portable engine of ``model_id`` built on the v4 worker with ``options``,
+    computing in ``precision`` and needing ``features``; its artifact id."""
+    built = manifest(model_id, options=options, fingerprint_key=KEY_V4).model_copy(update={
+        "compatibility_key": PORTABLE, "precision": precision,
+        "requirements": EngineRequirements(arch="x86_64", features=list(features))})
+    with session_scope(factory) as session:
+        artifact, _ = repo.record_artifact(session, model_id=model_id, manifest=built)
+    return artifact.id
+
+
 def test_tiers_exact_fallback_then_exact_for_a_new_chip_variant(api, settings):
     """A node with an unseen key gets a portable fallback at once and its own engine queued."""
     factory, model_id = v4_worker_and_model(api, settings)
@@ -191,20 +203,10 @@ def test_a_newer_fallback_the_node_cannot_run_does_not_hide_one_it_can(api, sett
     """Two portable engines of the model: the newer one (int8, say) needs an instruction the
     node lacks. The node is served the older one, whichever was recorded last."""
     factory, model_id = v4_worker_and_model(api, settings)
-    portable = PORTABLE
     deploy(api, "svc", model_id, {})
-
-    def record_portable(options: CompileOptions, features: list[str]) -> str:
-        built = manifest(model_id, options=options, fingerprint_key=KEY_V4).model_copy(update={
-            "compatibility_key": portable,
-            "requirements": EngineRequirements(arch="x86_64", features=features)})
-        with session_scope(factory) as session:
-            artifact, _ = repo.record_artifact(session, model_id=model_id, manifest=built)
-        return artifact.id
-
-    runs_here = record_portable(CompileOptions(portability="portable"), [])
-    record_portable(CompileOptions(portability="portable", precision="int8"),
-                    ["avx512_vnni|avx_vnni|amx_int8"])  # newer, and not for a v3 node
+    runs_here = record_portable(factory, model_id, CompileOptions(portability="portable"))
+    record_portable(factory, model_id, CompileOptions(portability="portable", precision="int8"),
+                    features=("avx512_vnni|avx_vnni|amx_int8",))  # newer, not for a v3 node
     (model,) = signed_state(api, api.post("/v1/agents", json=registration("v3-node", V3)))[
         "models"]
     assert model["tier"] == "fallback" and model["artifact_id"] == runs_here, model
@@ -421,18 +423,10 @@ def test_an_fp32_deployment_never_falls_back_to_a_reduced_precision_engine(api, 
     fp32 deployment is served the fp32 one (int8 would change its answers silently); one that
     allows int8 under the same gate takes the int8 engine, and not under a stricter gate."""
     factory, model_id = v4_worker_and_model(api, settings)
-
-    def record_portable(options: CompileOptions, precision: str) -> str:
-        built = manifest(model_id, options=options, fingerprint_key=KEY_V4).model_copy(update={
-            "compatibility_key": PORTABLE, "precision": precision,
-            "requirements": EngineRequirements(arch="x86_64", features=[])})
-        with session_scope(factory) as session:
-            artifact, _ = repo.record_artifact(session, model_id=model_id, manifest=built)
-        return artifact.id
-
-    fp32 = record_portable(CompileOptions(portability="portable"), "fp32")
-    int8 = record_portable(CompileOptions(portability="portable", precision="int8"),
-                           "int8-dynamic")
+    fp32 = record_portable(factory, model_id, CompileOptions(portability="portable"))
+    int8 = record_portable(factory, model_id,
+                           CompileOptions(portability="portable", precision="int8"),
+                           precision="int8-dynamic")
     deploy(api, "exact-numerics", model_id, {"tier": "a"})
     deploy(api, "any-int8", model_id, {"tier": "b"}, precision="int8")
     deploy(api, "strict-int8", model_id, {"tier": "c"}, precision="int8",
