@@ -151,9 +151,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(predicate: Callable[[], object], timeout_s: float = 15.0, what: str = "") -> None:
+def wait_for(predicate: Callable[[], object], timeout_s: float = 60.0, what: str = "") -> None:
     """Poll ``predicate`` until it is true; an ``AssertionError`` naming ``what`` past
-    ``timeout_s``."""
+    ``timeout_s``. The default is generous: it bounds a hang, and a poll that succeeds returns
+    at once, while four test processes on two cores can hold a step back for seconds."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
