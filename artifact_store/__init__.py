@@ -1,21 +1,10 @@
 """Blob stores behind one small interface, chosen by URI scheme.
 
-``open_store("file:///abs/dir")`` or ``open_store("s3://bucket/prefix")`` returns an
-``ArtifactStore``: content-addressed blobs (sha256) and signed manifests.
+``artifact_store.registry.open_store("file:///abs/dir")`` or ``open_store("s3://bucket/prefix")``
+returns an ``artifact_store.base.ArtifactStore``: content-addressed blobs (sha256) and signed
+manifests (``artifact_store.signing``).
+
+This package's own module imports nothing: every sandboxed child imports
+``artifact_store.sandbox`` before it confines itself, and a re-export here would make each one
+load the signing stack (securesystemslib, which imports boto3) that no child uses.
 """
-
-from artifact_store.base import ArtifactStore
-from artifact_store.registry import get, open_store, register
-from artifact_store.signing import Signer, Verifier, generate_keypair, load_signer, load_verifier
-
-__all__ = [
-    "ArtifactStore",
-    "Signer",
-    "Verifier",
-    "generate_keypair",
-    "get",
-    "load_signer",
-    "load_verifier",
-    "open_store",
-    "register",
-]

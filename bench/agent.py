@@ -27,7 +27,8 @@ from rich.table import Table
 
 from kiln.examples import mlp, onnx_test_model
 from kiln.stack import EmbeddedStack
-from schemas import CompileOptions, JobStatus
+from schemas.jobs import JobStatus
+from schemas.options import CompileOptions
 
 REQUESTS = 200
 

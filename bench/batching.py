@@ -35,7 +35,7 @@ import numpy as np
 from _common import free_port
 from serving import cached_compile
 
-from schemas import CompileOptions
+from schemas.options import CompileOptions
 
 VENV = Path(sys.executable).parent
 CONCURRENCY = (1, 4, 16)

@@ -44,7 +44,8 @@ from rich.table import Table
 
 from kiln.client import KilnClient
 from kiln.stack import EmbeddedStack
-from schemas import CompileOptions, JobStatus
+from schemas.jobs import JobStatus
+from schemas.options import CompileOptions
 
 BATCH = 8
 

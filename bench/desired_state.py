@@ -33,7 +33,7 @@ from rich.table import Table
 
 from kiln.examples import mlp
 from kiln.stack import EmbeddedStack
-from schemas import JobStatus
+from schemas.jobs import JobStatus
 
 
 def _wait(probe, timeout_s: float):

@@ -43,7 +43,7 @@ from rich.table import Table
 
 from kiln.examples import mlp
 from kiln.stack import EmbeddedStack
-from schemas import CompileOptions
+from schemas.options import CompileOptions
 from tests.integration.faults import RedisServer
 
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

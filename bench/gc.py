@@ -29,8 +29,9 @@ import sqlalchemy as sa
 from _common import console, free_port
 from rich.table import Table
 
-from artifact_store import generate_keypair, load_signer, open_store
-from schemas import CompileOptions
+from artifact_store.registry import open_store
+from artifact_store.signing import generate_keypair, load_signer
+from schemas.options import CompileOptions
 from services.api.auth import Role, mint_token
 from services.config import KilnSettings
 from services.db import make_engine, make_session_factory, repo, session_scope

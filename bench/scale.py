@@ -54,7 +54,8 @@ import uvloop
 from _common import console, free_port
 from rich.table import Table
 
-from artifact_store import load_signer, open_store
+from artifact_store.registry import open_store
+from artifact_store.signing import load_signer
 from kiln.stack import EmbeddedStack
 from services.db import make_engine, make_session_factory, repo, session_scope
 from services.db.tables import AgentRow, utcnow

@@ -83,7 +83,7 @@ from _common import blocks, console, free_port
 from rich.table import Table
 
 from kiln.examples import mlp
-from schemas import CompileOptions
+from schemas.options import CompileOptions
 
 WIDTH = 1024
 CLIENTS = 8

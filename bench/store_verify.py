@@ -20,7 +20,8 @@ from pathlib import Path
 from _common import console, free_port
 from rich.table import Table
 
-from artifact_store import generate_keypair, load_signer, open_store
+from artifact_store.registry import open_store
+from artifact_store.signing import generate_keypair, load_signer
 from services.config import KilnSettings
 from services.db import make_engine, make_session_factory, migrate, repo, session_scope
 from services.maintenance import verify_store

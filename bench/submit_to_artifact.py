@@ -22,7 +22,8 @@ from rich.table import Table
 from kiln.client import KilnClient
 from kiln.examples import onnx_test_model, small_cnn
 from kiln.stack import EmbeddedStack
-from schemas import CompileOptions, JobStatus
+from schemas.jobs import JobStatus
+from schemas.options import CompileOptions
 
 MODELS = {
     "small_cnn": lambda: small_cnn().SerializeToString(),

@@ -22,8 +22,9 @@ from fastapi.testclient import TestClient
 from rich.table import Table
 from sqlalchemy import event
 
-from schemas import CompileOptions, JobStatus
 from schemas.errors import ErrorBody, ErrorCode
+from schemas.jobs import JobStatus
+from schemas.options import CompileOptions
 from services.api.app import create_app
 from services.api.auth import Role, mint_token
 from services.config import KilnSettings

@@ -26,7 +26,8 @@ from rich.table import Table
 
 from kiln.examples import mlp
 from kiln.stack import EmbeddedStack
-from schemas import CompileOptions, JobStatus
+from schemas.jobs import JobStatus
+from schemas.options import CompileOptions
 
 
 def one_run(i: int, tmp: Path, heartbeat: float, sweep: float) -> tuple[float, float, float]:

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from artifact_store.digest import sha256_file
-from artifact_store.signing import manifest_from_bytes
 from runtime_agent.executors import MANIFEST_FILENAME, blob_filename
 from schemas.errors import Conflict, IntegrityError, InvalidRequest
 from schemas.manifest import ArtifactManifest
@@ -69,6 +68,10 @@ def write_artifact_dir(
     """
     manifest = manifest if manifest is not None else result.manifest
     if isinstance(manifest, bytes):
+        # Imported here: the signing stack (securesystemslib, which loads boto3) is only for
+        # a stored manifest, and every sandboxed build child imports this module.
+        from artifact_store.signing import manifest_from_bytes
+
         stored, manifest = manifest, manifest_from_bytes(manifest)
     else:
         stored = manifest.model_dump_json(indent=2).encode() + b"\n"

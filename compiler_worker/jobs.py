@@ -36,7 +36,6 @@ from compiler_worker.cross import cross_targets
 from compiler_worker.pipeline import CompileResult, plan_build
 from compiler_worker.sandbox import Sandbox, limits_from
 from runtime_agent.fingerprint import resolve_fingerprint
-from schemas import HardwareFingerprint, JobStage
 from schemas.builds import BuildClaim, BuildPublished, ClaimedJob
 from schemas.errors import (
     BackendUnavailable,
@@ -48,6 +47,8 @@ from schemas.errors import (
     KilnError,
     NotFound,
 )
+from schemas.fingerprint import HardwareFingerprint
+from schemas.jobs import JobStage
 from schemas.manifest import ArtifactManifest
 from schemas.options import CompileOptions
 from schemas.plugins import PluginRef

@@ -22,10 +22,11 @@ from compiler_worker.backends.base import PIPELINE_MODEL_FORMATS
 from compiler_worker.config import WorkerSettings, get_worker_settings
 from compiler_worker.jobs import JobRunner
 from compiler_worker.queue import broker_probe, celery_app, configure_celery
-from schemas import CompileOptions, HardwareFingerprint, Precision
 from schemas.builds import WorkerHeartbeat
 from schemas.errors import KilnError
+from schemas.fingerprint import HardwareFingerprint
 from schemas.health import readiness
+from schemas.options import CompileOptions, Precision
 from schemas.queue import queue_for
 
 logger = logging.getLogger(__name__)

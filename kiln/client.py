@@ -11,20 +11,14 @@ import httpx
 from pydantic import BaseModel
 
 from runtime_agent.errors import error_from_response
-from schemas import (
-    ArtifactManifest,
-    ArtifactSummary,
-    BlobRef,
-    CompileJob,
-    CompileOptions,
-    JobStatus,
-    ModelInfo,
-    Precision,
-)
 from schemas.agents import AgentInfo, ModelState
 from schemas.datasets import DatasetInfo
 from schemas.deployments import Deployment
 from schemas.errors import ErrorBody, ErrorCode, InvalidRequest, KilnError
+from schemas.jobs import CompileJob, JobStatus
+from schemas.manifest import ArtifactManifest, ArtifactSummary, BlobRef
+from schemas.models import ModelInfo
+from schemas.options import CompileOptions, Precision
 from schemas.retention import RetentionReport
 from schemas.rollouts import Rollout
 from schemas.tuning import TuningTable

@@ -13,8 +13,9 @@ from rich.table import Table
 
 from kiln.client import KilnClient
 from kiln.ui import print_artifact, progress_wait
-from schemas import CompileOptions, JobStatus
 from schemas.errors import KilnError
+from schemas.jobs import JobStatus
+from schemas.options import CompileOptions
 
 DEPLOYMENT = "demo-cnn"
 LABELS = {"site": "local", "role": "demo"}

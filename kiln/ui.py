@@ -8,8 +8,8 @@ from rich.table import Table
 
 from kiln.client import KilnClient
 from kiln.output import print_table
-from schemas import CompileJob, JobStatus
 from schemas.errors import KilnError
+from schemas.jobs import CompileJob, JobStatus
 from schemas.tuning import CandidateOutcome, TuningTable
 
 

@@ -130,7 +130,7 @@ def stack_init(
     """Set up an embedded stack's control plane from the environment (KILN_HOME,
     KILN_SECRET_KEY, KILN_SIGNING_KEY_PATH, the database): the signing key and root metadata
     where missing, the database schema; print its admin, worker and agent tokens as JSON."""
-    from artifact_store import generate_keypair
+    from artifact_store.signing import generate_keypair
     from services.api.auth import ANY_KEY, DEFAULT_TOKEN_TTL_S, Role, mint_token
     from services.config import KilnSettings
     from services.db import migrate
@@ -270,7 +270,7 @@ def keys_init() -> None:
 @keys_app.command("rotate")
 def keys_rotate(resign: Annotated[bool, typer.Option()] = True) -> None:
     """Replace the online key, re-signing every stored manifest unless --no-resign."""
-    from artifact_store import open_store
+    from artifact_store.registry import open_store
     from services.config import get_settings
     from services.signer import rotate_online_key
 

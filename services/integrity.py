@@ -8,7 +8,7 @@ import logging
 
 from sqlalchemy.orm import Session
 
-from artifact_store import ArtifactStore
+from artifact_store.base import ArtifactStore
 from services.db import repo
 
 logger = logging.getLogger(__name__)

@@ -10,9 +10,10 @@ from celery import Celery
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session, sessionmaker
 
-from artifact_store import ArtifactStore, open_store
-from schemas import CompileJob, JobStatus
+from artifact_store.base import ArtifactStore
+from artifact_store.registry import open_store
 from schemas.errors import KilnError
+from schemas.jobs import CompileJob, JobStatus
 from services.api.enqueue import enqueue_jobs
 from services.config import KilnSettings
 from services.db import repo, session_scope

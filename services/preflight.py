@@ -7,7 +7,9 @@ from __future__ import annotations
 import logging
 from urllib.parse import urlsplit, urlunsplit
 
-from artifact_store import ArtifactStore, load_signer, open_store
+from artifact_store.base import ArtifactStore
+from artifact_store.registry import open_store
+from artifact_store.signing import load_signer
 from schemas.errors import ConfigError, KilnError
 from services.config import KilnSettings, SharedSettings
 from services.queue import broker_probe

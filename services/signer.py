@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from artifact_store import ArtifactStore
+from artifact_store.base import ArtifactStore
 from artifact_store.signing import (
     DESIRED_STATE_PAYLOAD_TYPE,
     Signer,

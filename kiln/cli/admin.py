@@ -160,7 +160,7 @@ def keygen(
 ) -> None:
     """Write an Ed25519 signing key pair: OUT/signing.key (mode 0600; the control plane's
     KILN_SIGNING_KEY_PATH) and OUT/signing.key.pub (what agents trust)."""
-    from artifact_store import generate_keypair
+    from artifact_store.signing import generate_keypair
 
     private = out / "signing.key"
     if not force and (private.exists() or private.with_name("signing.key.pub").exists()):

@@ -10,9 +10,8 @@ from typing import Annotated
 import typer
 
 from kiln.client import KilnClient
-from schemas import CompileOptions, Precision
 from schemas.console import consoles
-from schemas.options import Portability, Tune
+from schemas.options import CompileOptions, Portability, Precision, Tune
 
 console, err = consoles()
 

@@ -24,8 +24,7 @@ from kiln.cli.common import (
     open_client,
 )
 from kiln.output import dump, print_json, print_row, print_table, short_ids
-from schemas import Precision
-from schemas.options import Portability, Tune
+from schemas.options import Portability, Precision, Tune
 
 
 def _parse_selector(items: list[str] | None) -> dict[str, str]:

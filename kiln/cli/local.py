@@ -25,9 +25,8 @@ from kiln.cli.common import (
     err,
 )
 from kiln.output import print_json, print_table
-from schemas import Precision
 from schemas.errors import KilnError
-from schemas.options import Portability, Tune
+from schemas.options import Portability, Precision, Tune
 
 
 def fingerprint(

@@ -31,9 +31,9 @@ from kiln.client import KilnClient
 from kiln.exit_codes import JOB_UNSUCCESSFUL
 from kiln.output import dump, print_json, print_row, print_table, short_ids
 from kiln.ui import print_artifact, progress_wait
-from schemas import CompileOptions, JobStatus, Precision
 from schemas.errors import KilnError
-from schemas.options import Portability, Tune
+from schemas.jobs import JobStatus
+from schemas.options import CompileOptions, Portability, Precision, Tune
 
 SamplesOpt = Annotated[Path | None, typer.Option(
     "--samples", exists=True, dir_okay=False,

@@ -12,7 +12,7 @@ from types import FrameType
 from celery import Celery
 from fastapi import FastAPI
 
-from artifact_store import open_store
+from artifact_store.registry import open_store
 from schemas.version import KILN_VERSION
 from services.api import metrics as api_metrics
 from services.api import threads

@@ -13,7 +13,7 @@ from fastapi.routing import APIRoute
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from artifact_store import ArtifactStore
+from artifact_store.base import ArtifactStore
 from services.api.auth import Principal, Role, authenticate, require_role
 from services.api.gate import PRINCIPAL, ROLES_ATTR
 from services.config import KilnSettings

@@ -8,9 +8,9 @@ from collections.abc import Iterable
 from celery import Celery
 from sqlalchemy.orm import Session
 
-from schemas import CompileJob, Precision
 from schemas.errors import InvalidOptions, QueueUnavailable
-from schemas.jobs import task_id
+from schemas.jobs import CompileJob, task_id
+from schemas.options import Precision
 from services.config import KilnSettings
 from services.db import repo
 from services.queue import enqueue_compile

@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Literal
 from celery import Celery
 from sqlalchemy.orm import Session
 
-from schemas import CompileJob, CompileOptions, JobStatus
 from schemas.agents import AgentInfo, DesiredModel, DesiredState
 from schemas.deployments import Deployment
 from schemas.fingerprint import (
@@ -48,8 +47,9 @@ from schemas.fingerprint import (
     unmet_requirements,
 )
 from schemas.fleet import DeploymentCoverage, FleetKey, FleetSummary
+from schemas.jobs import CompileJob, JobStatus
 from schemas.manifest import ArtifactManifest, ArtifactSummary
-from schemas.options import AccuracyMetric, Portability, Precision
+from schemas.options import AccuracyMetric, CompileOptions, Portability, Precision
 from schemas.rollouts import Rollout
 from services.api.engine_choice import Usable, choose_engine, nothing_left
 from services.api.enqueue import enqueue_jobs

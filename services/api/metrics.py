@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from schemas import JobStatus
+from schemas.jobs import JobStatus
 from services.api.access import check_no_listing
 from services.api.deps import ReaderPrincipal
 from services.db import repo

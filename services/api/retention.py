@@ -13,7 +13,7 @@ from datetime import timedelta
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from artifact_store import ArtifactStore
+from artifact_store.base import ArtifactStore
 from schemas.retention import RetentionReport
 from services.api.periodic import PeriodicThread
 from services.config import KilnSettings

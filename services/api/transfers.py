@@ -26,9 +26,9 @@ from pathlib import Path
 from fastapi import Request, UploadFile
 from fastapi.responses import RedirectResponse, StreamingResponse
 
-from artifact_store import ArtifactStore
-from schemas import BlobRef
+from artifact_store.base import ArtifactStore
 from schemas.errors import InvalidRequest, KilnError, PayloadTooLarge
+from schemas.manifest import BlobRef
 
 logger = logging.getLogger(__name__)
 

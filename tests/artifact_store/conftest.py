@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from artifact_store import ArtifactStore, Signer, generate_keypair, open_store
+from artifact_store.base import ArtifactStore
+from artifact_store.registry import open_store
+from artifact_store.signing import Signer, generate_keypair
 from schemas.fingerprint import CpuInfo, HardwareFingerprint
 from schemas.manifest import (
     ArtifactManifest,

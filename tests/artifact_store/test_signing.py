@@ -15,8 +15,15 @@ from cryptography.hazmat.primitives.asymmetric.ec import SECP256R1, generate_pri
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from securesystemslib.signer import SSlibKey
 
-from artifact_store import Signer, Verifier, generate_keypair, load_signer, load_verifier
-from artifact_store.signing import DESIRED_STATE_PAYLOAD_TYPE, MANIFEST_PAYLOAD_TYPE
+from artifact_store.signing import (
+    DESIRED_STATE_PAYLOAD_TYPE,
+    MANIFEST_PAYLOAD_TYPE,
+    Signer,
+    Verifier,
+    generate_keypair,
+    load_signer,
+    load_verifier,
+)
 from schemas.errors import ConfigError, IntegrityError, SchemaUnsupported, SignatureInvalid
 from schemas.manifest import ManifestSignature
 from tests.artifact_store.conftest import ManifestBuilder

@@ -13,10 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-import artifact_store
-from artifact_store import ArtifactStore, Signer, Verifier, generate_keypair, open_store
+import artifact_store.registry
+from artifact_store.base import ArtifactStore
 from artifact_store.local import LocalStore
+from artifact_store.registry import open_store
 from artifact_store.s3 import S3Store
+from artifact_store.signing import Signer, Verifier, generate_keypair
 from schemas.errors import (
     ConfigError,
     IntegrityError,
@@ -331,7 +333,7 @@ def test_unknown_scheme_lists_registered_schemes() -> None:
 
 def test_duplicate_registration_raises() -> None:
     with pytest.raises(ConfigError, match="already registered for scheme 'file'"):
-        artifact_store.register("file", lambda parsed, **options: None)
+        artifact_store.registry.register("file", lambda parsed, **options: None)
 
 
 def test_relative_file_uri_is_rejected() -> None:
@@ -356,11 +358,11 @@ def test_unreachable_endpoint_is_a_transient_store_error() -> None:
 def test_package_imports_without_boto3(tmp_path: Path) -> None:
     code = (
         "import sys; sys.modules['boto3'] = None; sys.modules['botocore'] = None\n"
-        "import artifact_store\n"
-        f"store = artifact_store.open_store({(tmp_path / 's').as_uri()!r})\n"
+        "import artifact_store.registry\n"
+        f"store = artifact_store.registry.open_store({(tmp_path / 's').as_uri()!r})\n"
         "store.put_bytes('k', b'v'); assert store.get_bytes('k') == b'v'\n"
         "try:\n"
-        "    artifact_store.open_store('s3://b/p')\n"
+        "    artifact_store.registry.open_store('s3://b/p')\n"
         "except artifact_store.registry.ConfigError as exc:\n"
         "    assert 'boto3' in str(exc), exc\n"
         "else:\n"

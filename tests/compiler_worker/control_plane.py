@@ -8,10 +8,11 @@ import threading
 import time
 from pathlib import Path
 
-from artifact_store import ArtifactStore, open_store
+from artifact_store.base import ArtifactStore
+from artifact_store.registry import open_store
 from compiler_worker.config import WorkerSettings
-from schemas import CompileOptions
 from schemas.jobs import CompileJob
+from schemas.options import CompileOptions
 from services.api.auth import Role, mint_token
 from services.config import KilnSettings
 from services.db import make_engine, make_session_factory, repo, session_scope

@@ -11,9 +11,9 @@ from compiler_worker.pipeline import plan_build
 from compiler_worker.worker import fingerprint_keys
 from runtime_agent.executors import OnnxRuntimeExecutor
 from runtime_agent.fingerprint import declare_variant
-from schemas import CompileOptions
 from schemas.errors import BackendUnavailable
 from schemas.fingerprint import CpuInfo, HardwareFingerprint, tuning_context_key
+from schemas.options import CompileOptions
 
 V4 = ["ssse3", "sse4_1", "sse4_2", "popcnt", "avx", "avx2", "fma", "f16c", "bmi1", "bmi2",
       "avx512f", "avx512cd", "avx512dq", "avx512bw", "avx512vl"]

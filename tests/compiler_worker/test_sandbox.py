@@ -232,3 +232,18 @@ def test_a_hostile_native_library_gets_nothing_of_the_worker(
     assert set(probe) == {"signing_key", "parent_environ", "write_outside", "env_secret"}
     assert all(value.startswith("refused") for value in probe.values()), probe
     assert not outside.exists()
+
+
+def test_a_build_child_loads_no_signing_stack():
+    """Every compile job starts two sandboxed interpreters; what they import before their step
+    runs is paid per job. The signing stack (securesystemslib, which imports boto3) is for the
+    control plane and the agents: neither the child's entry nor the build pipeline loads it."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, compiler_worker.sandbox_child, compiler_worker.pipeline; "
+             "print(sorted(m for m in ('boto3', 'botocore', 'securesystemslib', "
+             "'artifact_store.signing') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    assert loaded == "[]", f"a build child imports {loaded}"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from compiler_worker.jobs import JobRunner
 from kiln.examples import mlp
-from schemas import JobStatus
+from schemas.jobs import JobStatus
 from services.db import repo, session_scope
 
 OTHER_KEY = "ort-cpu-x86-64-v1-ort0.1"

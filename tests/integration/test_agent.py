@@ -15,8 +15,8 @@ import pytest
 
 from kiln.examples import mlp
 from kiln.stack import EmbeddedStack
-from schemas import JobStatus
 from schemas.errors import KilnError
+from schemas.jobs import JobStatus
 from tests.integration.agents import AgentProcess, outputs, reference
 from tests.integration.conftest import UNTUNED
 

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from onnx import TensorProto, helper
 
-from artifact_store import load_verifier
+from artifact_store.signing import load_verifier
 from kiln.examples import mlp, onnx_test_model, small_cnn
-from schemas import CompileOptions, JobStatus
 from schemas.errors import KilnError
+from schemas.jobs import JobStatus
+from schemas.options import CompileOptions
 from tests.integration.conftest import UNTUNED
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from kiln.stack import EmbeddedStack
-from schemas import CompileOptions, JobStatus
+from schemas.jobs import JobStatus
+from schemas.options import CompileOptions
 from tests.integration.agents import AgentProcess, outputs
 from tests.integration.conftest import running_stack, wait_for_worker
 from tests.models.torch_programs import (

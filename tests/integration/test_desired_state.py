@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kiln.examples import mlp
-from schemas import JobStatus
 from schemas.agents import DesiredState
+from schemas.jobs import JobStatus
 from services.api.auth import Role, mint_token
 from tests.integration.agents import AgentProcess, outputs, reference
 from tests.integration.conftest import UNTUNED

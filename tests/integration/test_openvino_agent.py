@@ -18,7 +18,7 @@ from kiln.examples import mlp
 from runtime_agent.confine import HOME_DIRNAME
 from runtime_agent.executors import node_fingerprint_keys
 from runtime_agent.fingerprint import detect_fingerprint
-from schemas import JobStatus
+from schemas.jobs import JobStatus
 from schemas.options import CompileOptions, Precision, Tune
 from tests.integration.agents import AgentProcess, outputs, reference
 

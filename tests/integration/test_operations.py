@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from artifact_store import open_store
+from artifact_store.registry import open_store
 from kiln.examples import mlp
-from schemas import JobStatus
+from schemas.jobs import JobStatus
 from tests.integration.conftest import UNTUNED
 
 pytestmark = pytest.mark.integration

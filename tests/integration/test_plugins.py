@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from schemas import JobStatus
 from schemas.errors import KilnError
+from schemas.jobs import JobStatus
 from tests.integration.agents import AgentProcess, outputs, reference
 from tests.integration.conftest import UNTUNED, wait_for_worker
 from tests.integration.test_agent import kiln_cli

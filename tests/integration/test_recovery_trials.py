@@ -19,9 +19,9 @@ import pytest
 
 from kiln.examples import mlp
 from kiln.stack import EmbeddedStack
-from schemas import CompileOptions, JobStatus
 from schemas.errors import KilnError
-from schemas.options import Tune
+from schemas.jobs import JobStatus
+from schemas.options import CompileOptions, Tune
 from tests.conftest import free_port
 from tests.integration.conftest import UNTUNED, RunningStack, dump_logs_if_failed
 from tests.integration.faults import RedisServer, TcpProxy

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from kiln.examples import mlp
-from schemas import CompileOptions, JobStatus
-from schemas.options import Tune
+from schemas.jobs import JobStatus
+from schemas.options import CompileOptions, Tune
 from tests.integration.test_operations import _store, onnx_key
 
 pytestmark = pytest.mark.integration

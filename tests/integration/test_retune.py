@@ -16,7 +16,7 @@ import pytest
 from kiln.examples import mlp
 from runtime_agent.executors import node_fingerprint_keys
 from runtime_agent.fingerprint import detect_fingerprint, older_variant
-from schemas import JobStatus
+from schemas.jobs import JobStatus
 from schemas.options import CompileOptions
 from tests.integration.agents import AgentProcess, outputs, reference
 from tests.integration.test_agent import kiln_cli

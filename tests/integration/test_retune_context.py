@@ -21,8 +21,8 @@ import pytest
 from kiln.examples import mlp
 from runtime_agent.executors import OnnxRuntimeExecutor, node_fingerprint_keys
 from runtime_agent.fingerprint import declare_variant, detect_fingerprint
-from schemas import JobStatus
 from schemas.fingerprint import HardwareFingerprint, core_class, tuning_context_key
+from schemas.jobs import JobStatus
 from schemas.options import CompileOptions, Precision
 from tests.integration.agents import AgentProcess, outputs, reference
 

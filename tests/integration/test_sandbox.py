@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from compiler_worker.benchmark import default_lock_path
-from schemas import JobStatus
+from schemas.jobs import JobStatus
 from tests.compiler_worker.helpers import fast_options
 from tests.compiler_worker.test_sandbox import inflating_model
 from tests.integration.conftest import RunningStack, _start

@@ -10,7 +10,8 @@ import pytest
 
 from kiln.runtime import load
 from runtime_agent.executors import MANIFEST_FILENAME, blob_filename
-from schemas import CompileOptions, JobStatus
+from schemas.jobs import JobStatus
+from schemas.options import CompileOptions
 from tests.models.torch_programs import tiny_mlp, tiny_mlp_archive
 
 pytestmark = [pytest.mark.integration, pytest.mark.aotinductor]

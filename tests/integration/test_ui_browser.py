@@ -24,7 +24,8 @@ from onnx import TensorProto, helper
 
 from kiln.examples import mlp
 from kiln.stack import EmbeddedStack
-from schemas import CompileOptions, JobStatus
+from schemas.jobs import JobStatus
+from schemas.options import CompileOptions
 from services.api.auth import Role, mint_token
 from tests.conftest import free_port, service_missing
 from tests.integration.conftest import running_stack, wait_for_worker

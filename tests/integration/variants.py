@@ -23,13 +23,13 @@ from kiln.stack import EmbeddedStack
 from runtime_agent.executors import node_fingerprint_keys
 from runtime_agent.executors.openvino.executor import has_bf16
 from runtime_agent.fingerprint import declare_variant, detect_fingerprint
-from schemas import JobStatus
 from schemas.fingerprint import (
     CpuInfo,
     HardwareFingerprint,
     core_class,
     unmet_requirements,
 )
+from schemas.jobs import JobStatus
 from schemas.options import CompileOptions, Precision, Tune
 from tests.integration.agents import AgentProcess, outputs
 

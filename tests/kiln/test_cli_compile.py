@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from kiln import runtime
 from kiln.cli import app
 from kiln.examples import mlp, small_cnn
-from schemas import ArtifactManifest, HardwareFingerprint
+from schemas.fingerprint import HardwareFingerprint
+from schemas.manifest import ArtifactManifest
 
 runner = CliRunner()
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from kiln import runtime
 from kiln.cli import app
 from kiln.model_files import model_blob
-from schemas import ArtifactManifest
+from schemas.manifest import ArtifactManifest
 from tests.models.external_data import external_cnn, with_location
 
 runner = CliRunner()

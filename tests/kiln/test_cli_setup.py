@@ -14,7 +14,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from artifact_store import load_signer
+from artifact_store.signing import load_signer
 from kiln.exit_codes import EXIT_CODES
 from schemas.errors import ConfigError, ErrorCode
 from tests.conftest import free_port

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from schemas import CompileOptions
+from schemas.options import CompileOptions
 
 
 def _alternatives(value: Any) -> list[Any]:

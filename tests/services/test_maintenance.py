@@ -14,7 +14,8 @@ from urllib.parse import urlsplit
 import pytest
 from celery import Celery
 
-from artifact_store import generate_keypair, load_signer, open_store
+from artifact_store.registry import open_store
+from artifact_store.signing import generate_keypair, load_signer
 from kiln.exit_codes import EXIT_CODES
 from schemas.errors import ErrorCode
 from services.config import KilnSettings

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from artifact_store import open_store
+from artifact_store.registry import open_store
 from artifact_store.signing import (
     DESIRED_STATE_PAYLOAD_TYPE,
     TrustedRoot,

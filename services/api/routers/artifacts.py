@@ -8,8 +8,8 @@ from typing import Literal
 from fastapi import APIRouter, Header, Request, Response
 from pydantic import BaseModel
 
-from schemas import ArtifactManifest, ArtifactSummary
 from schemas.errors import ErrorBody, NotFound
+from schemas.manifest import ArtifactManifest, ArtifactSummary
 from schemas.tuning import TuningTable
 from services.api.access import check_artifact_access, check_no_listing
 from services.api.deps import (

@@ -58,8 +58,7 @@ from fastapi import Path as PathParam
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from artifact_store import ArtifactStore
-from schemas import BlobRef, CompileJob, JobStatus
+from artifact_store.base import ArtifactStore
 from schemas._canonical import canonical_json, sha256_hex
 from schemas._versioned import parse_version
 from schemas.builds import (
@@ -86,7 +85,8 @@ from schemas.errors import (
     NotFound,
     UnknownOperator,
 )
-from schemas.manifest import MANIFEST_SCHEMA_VERSION, ArtifactManifest
+from schemas.jobs import CompileJob, JobStatus
+from schemas.manifest import MANIFEST_SCHEMA_VERSION, ArtifactManifest, BlobRef
 from schemas.plugins import PluginInfo
 from schemas.workers import WorkerInfo
 from services.api.auth import Principal, Role, check_worker_key

@@ -8,9 +8,8 @@ from pathlib import Path
 
 from fastapi import APIRouter, Request, Response, status
 
-from schemas import CompileJob, CompileJobCreate, JobStatus
 from schemas.errors import ErrorBody, InvalidOptions
-from schemas.jobs import CompileJobBatch, task_id
+from schemas.jobs import CompileJob, CompileJobBatch, CompileJobCreate, JobStatus, task_id
 from services.api.deps import (
     AdminPrincipal,
     JobId,

@@ -21,8 +21,10 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, Request, Response, UploadFile, status
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas import CompileJob, CompileOptions, JobStatus, ModelInfo
 from schemas.errors import ErrorBody, ErrorCode, InvalidModel, ModelTooLarge
+from schemas.jobs import CompileJob, JobStatus
+from schemas.models import ModelInfo
+from schemas.options import CompileOptions
 from services.api.deps import (
     AdminPrincipal,
     Limit,

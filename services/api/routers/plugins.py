@@ -6,8 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, File, Header, Request, Response, UploadFile, status
 
-from schemas import BlobRef
 from schemas.errors import IntegrityError, InvalidRequest
+from schemas.manifest import BlobRef
 from schemas.plugins import PluginInfo
 from services.api.access import check_plugin_access
 from services.api.deps import (

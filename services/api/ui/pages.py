@@ -18,8 +18,8 @@ from pydantic import BeforeValidator
 from starlette.routing import NoMatchFound
 from starlette.types import Scope
 
-from schemas import JobStatus
 from schemas.errors import ErrorBody, ErrorCode, KilnError
+from schemas.jobs import JobStatus
 from schemas.rollouts import RolloutState
 from services.api import rollouts as rollouts_core
 from services.api.auth import Principal, Role, authenticate

@@ -180,7 +180,7 @@ def test_unreachable_broker_fails_the_job_with_a_typed_reason(tmp_path):
 
 
 def test_waiting_job_is_released_when_a_worker_for_its_key_appears(api, settings):
-    from schemas import CpuInfo, HardwareFingerprint
+    from schemas.fingerprint import CpuInfo, HardwareFingerprint
     from services.db import make_engine, make_session_factory, repo, session_scope
 
     model_id = upload(api, mlp().SerializeToString()).json()["id"]

@@ -12,7 +12,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from artifact_store.signing import Verifier
-from schemas import ArtifactManifest, BlobRef, CompileOptions, JobStatus
+from schemas.jobs import JobStatus
+from schemas.manifest import ArtifactManifest, BlobRef
+from schemas.options import CompileOptions
 from services.api.auth import Role, mint_token
 from services.api.routers.builds import artifact_id_for, claim_lease
 from services.db import repo

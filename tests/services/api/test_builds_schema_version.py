@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from schemas import ArtifactManifest
 from schemas._versioned import validate_versioned
 from schemas.errors import SchemaUnsupported
-from schemas.manifest import MANIFEST_SCHEMA_VERSION
+from schemas.manifest import MANIFEST_SCHEMA_VERSION, ArtifactManifest
 from tests.services.api.test_builds import (  # noqa: F401 (job is a fixture)
     ENGINE,
     SIDECAR,

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from schemas import CompileOptions, JobStatus
+from schemas.jobs import JobStatus
+from schemas.options import CompileOptions
 from services.api.app import create_app
 from services.api.auth import Role
 from services.db import repo

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from artifact_store import open_store
+from artifact_store.registry import open_store
 from kiln.examples import small_cnn
 from services.api.app import create_app
 from tests.schemas.test_datasets import npy_header, npz, zip_of

@@ -9,8 +9,8 @@ import pytest
 
 from artifact_store.signing import DESIRED_STATE_PAYLOAD_TYPE, TrustedRoot
 from kiln.examples import mlp, small_cnn
-from schemas import CompileOptions
 from schemas.fingerprint import EngineRequirements
+from schemas.options import CompileOptions
 from services.db import make_engine, make_session_factory, repo, session_scope
 from services.signer import root_metadata
 from tests.services.api.conftest import make_settings, node_fingerprint, registration

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from artifact_store import open_store
+from artifact_store.registry import open_store
 from kiln.examples import mlp, small_cnn
 from schemas.agents import ModelStatus
 from schemas.deployments import DeploymentCreate

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from artifact_store import generate_keypair, load_signer, load_verifier, open_store
+from artifact_store.registry import open_store
+from artifact_store.signing import generate_keypair, load_signer, load_verifier
 from kiln.examples import mlp
 from schemas.manifest import ArtifactManifest
 from services.config import KilnSettings

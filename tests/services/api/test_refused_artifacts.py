@@ -6,7 +6,7 @@ the agent's fingerprint keys are those it refused under. Against the API (SQLite
 from __future__ import annotations
 
 from kiln.examples import mlp
-from schemas import CompileOptions
+from schemas.options import CompileOptions
 from services.db import make_engine, make_session_factory, repo, session_scope
 from tests.services.api.conftest import node_fingerprint, registration
 from tests.services.api.test_api import upload

@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-from artifact_store import open_store
+from artifact_store.registry import open_store
 from artifact_store.signing import generate_keypair, load_signer
 from kiln.examples import mlp
 from schemas.agents import ModelStatus

@@ -7,7 +7,7 @@ import json
 from datetime import timedelta
 
 from kiln.examples import mlp
-from schemas import CompileOptions
+from schemas.options import CompileOptions
 from services.api.sweeper import JobSweeper
 from services.db import repo, session_scope
 from services.db.tables import CompileJobRow

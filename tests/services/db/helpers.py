@@ -12,18 +12,17 @@ from typing import TypeVar
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from schemas import (
+from schemas.fingerprint import CpuInfo, HardwareFingerprint
+from schemas.manifest import (
     ArtifactManifest,
     BenchmarkResult,
     BlobRef,
-    CompileOptions,
-    CpuInfo,
-    HardwareFingerprint,
     ManifestSignature,
-    ModelInfo,
     TensorSpec,
     VerificationResult,
 )
+from schemas.models import ModelInfo
+from schemas.options import CompileOptions
 from services.db import repo
 
 T = TypeVar("T")

@@ -9,8 +9,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from schemas import CompileOptions, ErrorCode, Precision
-from schemas.errors import Conflict, InvalidRequest, NotFound
+from schemas.errors import Conflict, ErrorCode, InvalidRequest, NotFound
+from schemas.options import CompileOptions, Precision
 from services.db import repo
 from services.db.tables import ArtifactRow
 

@@ -6,8 +6,9 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from schemas import CompileOptions, TensorSpec
 from schemas.errors import InvalidOptions, InvalidRequest, NotFound
+from schemas.manifest import TensorSpec
+from schemas.options import CompileOptions
 from services.db import repo
 
 from .helpers import add_model, race, sha

@@ -8,8 +8,9 @@ from datetime import UTC
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from schemas import CompileOptions, ErrorBody, ErrorCode, JobStage, JobStatus, ShapeProfile
-from schemas.errors import Conflict, InvalidRequest, NotFound
+from schemas.errors import Conflict, ErrorBody, ErrorCode, InvalidRequest, NotFound
+from schemas.jobs import JobStage, JobStatus
+from schemas.options import CompileOptions, ShapeProfile
 from services.db import repo, session_scope
 
 from .helpers import FINGERPRINT_KEY, add_model, manifest
@@ -257,7 +258,7 @@ def test_fail_job(session: Session, model_id: str) -> None:
 def test_worker_heartbeat_alive_and_stopped(session) -> None:
     from datetime import timedelta
 
-    from schemas import CpuInfo, HardwareFingerprint
+    from schemas.fingerprint import CpuInfo, HardwareFingerprint
     from services.db.tables import WorkerRow
 
     fp = HardwareFingerprint(cpu=CpuInfo(arch="x86_64", features=["avx2"]))
@@ -282,7 +283,7 @@ def test_worker_heartbeat_alive_and_stopped(session) -> None:
 
 
 def _worker(session: Session, name: str, keys: list[str], *, heartbeat_s: float = 10.0):
-    from schemas import CpuInfo, HardwareFingerprint
+    from schemas.fingerprint import CpuInfo, HardwareFingerprint
 
     fp = HardwareFingerprint(cpu=CpuInfo(arch="x86_64", features=["avx2"]))
     return repo.heartbeat_worker(session, name=name, fingerprint_keys=keys, fingerprint=fp,
@@ -377,7 +378,7 @@ def test_a_job_that_used_its_attempts_fails_with_worker_lost(
 
 
 def _beat(session: Session, name: str, instance: str, *, stopping: bool = False):
-    from schemas import CpuInfo, HardwareFingerprint
+    from schemas.fingerprint import CpuInfo, HardwareFingerprint
 
     fp = HardwareFingerprint(cpu=CpuInfo(arch="x86_64", features=["avx2"]))
     return repo.heartbeat_worker(session, name=name, fingerprint_keys=[FINGERPRINT_KEY],
