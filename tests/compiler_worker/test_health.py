@@ -24,10 +24,10 @@ def _readyz(settings: WorkerSettings) -> httpx.Response:
     server = _serve(settings)
     try:
         base = f"http://127.0.0.1:{server.port}"
-        live = httpx.get(f"{base}/healthz")
+        live = httpx.get(f"{base}/healthz", timeout=60)
         assert live.status_code == 200
         assert live.json() == {"status": "ok", "worker": "w1", "instance": settings.instance}
-        assert httpx.get(f"{base}/nope").status_code == 404
+        assert httpx.get(f"{base}/nope", timeout=60).status_code == 404
         return httpx.get(f"{base}/readyz", timeout=10)
     finally:
         server.stop()

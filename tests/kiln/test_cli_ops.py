@@ -18,9 +18,9 @@ import pytest
 
 from kiln.examples import mlp, small_cnn
 from kiln.exit_codes import EXIT_CODES, TABLE_BEGIN, TABLE_END, exit_code, markdown_table
-from schemas import CompileOptions
 from schemas.errors import ErrorBody, ErrorCode
 from schemas.fingerprint import CpuInfo, HardwareFingerprint
+from schemas.options import CompileOptions
 from services.config import KilnSettings
 from services.db import make_engine, make_session_factory, repo, session_scope
 from services.db.tables import CompileJobRow
@@ -84,7 +84,7 @@ def api(tmp_path: Path) -> Iterator[Api]:
 def upload(api: Api, model) -> str:
     import httpx
 
-    response = httpx.post(f"{api.url}/v1/models", files={"file": ("m.onnx",
+    response = httpx.post(f"{api.url}/v1/models", timeout=60, files={"file": ("m.onnx",
                           model.SerializeToString())},
                           headers={"Authorization": f"Bearer {api.token}"})
     assert response.status_code in (200, 201), response.text

@@ -33,7 +33,7 @@ def test_rollout_commands(live_api: LiveApi, tmp_path: Path, monkeypatch) -> Non
     for model_id in (old, new):
         record(settings, model_id, KEY)
     for name in ("n-1", "n-2"):
-        answer = httpx.post(f"{live_api.url}/v1/agents", headers=headers,
+        answer = httpx.post(f"{live_api.url}/v1/agents", timeout=60, headers=headers,
                             json=registration(name, KEY, {"app": "svc"}))
         assert answer.status_code == 200, answer.text
 
@@ -54,9 +54,10 @@ def test_rollout_commands(live_api: LiveApi, tmp_path: Path, monkeypatch) -> Non
     assert KEY in listed.output and "1 → 100%" in listed.output
     assert "1/2 (1) running" in listed.output and "1/2" in listed.output
 
-    report = httpx.post(f"{live_api.url}/v1/rollouts/svc/reports", headers=headers, json={
-        "agent": "n-1", "gates": [{"name": "golden", "passed": False, "worst_index": 3,
-                                   "max_abs_error": 0.75}]})
+    report = httpx.post(f"{live_api.url}/v1/rollouts/svc/reports", headers=headers, timeout=60,
+                        json={"agent": "n-1", "gates": [{
+                            "name": "golden", "passed": False, "worst_index": 3,
+                            "max_abs_error": 0.75}]})
     assert report.status_code == 200, report.text
     halted = runner.invoke(app, ["rollouts", "--active"])
     assert "halted" in halted.output and "worst element 3" in halted.output

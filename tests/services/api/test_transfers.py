@@ -19,7 +19,7 @@ import pytest
 
 from kiln.examples import mlp
 from kiln.stack import EmbeddedStack
-from schemas import CompileOptions
+from schemas.options import CompileOptions
 from services.api.transfers import SCRATCH_DIR, ScratchFolder, sweep_scratch
 from services.db import make_engine, make_session_factory, repo, session_scope
 from tests.conftest import free_port
@@ -197,7 +197,7 @@ def _claim(stack: EmbeddedStack, job_id: str) -> str:
     """Claim the job as a worker would: the lease its uploads carry."""
     import httpx
 
-    claimed = httpx.post(f"{stack.api_url}/v1/builds/{job_id}/claim",
+    claimed = httpx.post(f"{stack.api_url}/v1/builds/{job_id}/claim", timeout=60,
                          headers={"Authorization": f"Bearer {stack.worker_token}"},
                          json={"worker": "w-1", "instance": "i-1", "pid": os.getpid()})
     assert claimed.status_code == 200, claimed.text
