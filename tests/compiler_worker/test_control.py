@@ -177,17 +177,21 @@ def test_a_job_past_its_attempt_limit_fails_and_its_work_directory_goes(tmp_path
 def test_a_failed_heartbeat_is_tried_again_within_a_second(tmp_path: Path,
                                                           key: str) -> None:
     api = LiveApi(tmp_path / "control-plane")  # not serving yet
-    runner = JobRunner(api.worker_settings(tmp_path / "worker", key, worker_heartbeat_s=60))
+    interval_s = 60.0
+    runner = JobRunner(api.worker_settings(tmp_path / "worker", key,
+                                           worker_heartbeat_s=interval_s))
     heartbeat = Heartbeat(runner, [key])
     heartbeat.start()  # the first beat fails: nothing listens
     try:
         time.sleep(0.5)
         api.start()
         up = time.monotonic()
-        # A worker that waited out its interval would register 60 s after its failed beat;
-        # one that retries within a second registers once the API answers, which on a host
-        # busy with other tests can take seconds. A quarter of the interval tells them apart.
-        while time.monotonic() - up < 15:
+        # A worker that waited out its interval would register an interval after its failed
+        # beat; one that retries within a second registers once the API answers, which on a
+        # host busy with other tests can take seconds. A quarter of the interval tells them
+        # apart.
+        bound_s = interval_s / 4
+        while time.monotonic() - up < bound_s:
             with session_scope(api.sessions) as session:
                 workers = repo.list_workers(session)
             if workers:
@@ -195,7 +199,7 @@ def test_a_failed_heartbeat_is_tried_again_within_a_second(tmp_path: Path,
             time.sleep(0.1)
         waited = time.monotonic() - up
         assert workers and workers[0].alive and workers[0].instance == runner.settings.instance
-        assert waited < 15, f"the worker was registered {waited:.1f} s after the API came up"
+        assert waited < bound_s, f"the worker was registered {waited:.1f} s after the API came up"
     finally:
         heartbeat.stop()
         api.stop()

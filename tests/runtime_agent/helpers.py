@@ -203,12 +203,14 @@ class ControlPlaneStub:
         self.bundle_requests.clear()
         self.rollout_reports.clear()
 
+    def statuses(self, deployment: str) -> list:
+        """Every status of ``deployment`` the agent has reported, oldest first."""
+        return [status for beat in list(self.heartbeats) for status in beat.models
+                if status.deployment == deployment]
+
     def last_status(self, deployment: str):
-        for beat in reversed(self.heartbeats):
-            for status in beat.models:
-                if status.deployment == deployment:
-                    return status
-        return None
+        reported = self.statuses(deployment)
+        return reported[-1] if reported else None
 
     def app(self) -> FastAPI:
         app = FastAPI()

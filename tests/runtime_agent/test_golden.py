@@ -121,11 +121,8 @@ def test_the_agent_never_serves_an_engine_failing_its_golden_check_and_reports_i
         # 50 ms, so the first retries come fast): any heartbeat may carry the refusal, and
         # a later one a retry in progress.
         def refusal():
-            for beat in list(control_plane.heartbeats):
-                for status in beat.models:
-                    if status.deployment == "mlp" and status.state == ModelState.FAILED:
-                        return status
-            return None
+            return next((status for status in control_plane.statuses("mlp")
+                         if status.state == ModelState.FAILED), None)
         wait_for(refusal, what="the bad engine refused")
         status = refusal()
         assert status.artifact_id == a and status.target_artifact_id == bad
