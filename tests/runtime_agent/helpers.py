@@ -13,7 +13,7 @@ import hashlib
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -189,19 +189,13 @@ class ControlPlaneStub:
         return signer.sign_envelope(canonical_json(state), DESIRED_STATE_PAYLOAD_TYPE)
 
     def reset(self) -> None:
-        self.artifacts.clear()
-        self.issued.clear()
-        self.serve_instead = None
-        self.expires_in_s = 300.0
-        self.roots.clear()
-        self.desired = []
-        self.registrations.clear()
-        self.heartbeats.clear()
-        self.blob_requests.clear()
-        self.tampered.clear()
-        self.plugins.clear()
-        self.bundle_requests.clear()
-        self.rollout_reports.clear()
+        """Every field back to its default but the server's address: the stub serves a whole
+        session, and a setting one test leaves (a 60 s heartbeat, a replayed envelope) must
+        not reach the next test on the same worker."""
+        fresh = ControlPlaneStub()
+        for f in fields(self):
+            if f.name != "url":
+                setattr(self, f.name, getattr(fresh, f.name))
 
     def statuses(self, deployment: str) -> list:
         """Every status of ``deployment`` the agent has reported, oldest first."""
