@@ -451,7 +451,8 @@ def _kiln(blob: Path, precision: str, workdir: Path, samples: dict[str, np.ndarr
             note += (f"; noise: {noise.measurements} measurement(s), host busy ≤ "
                      f"{busiest:.0%}, lock wait {noise.lock_wait_s:.1f} s, winner's spread "
                      f"{noise.spread.get(table.winner or '', 0.0):.1%}, "
-                     f"{'separable' if noise.separable else 'not separable'}: {noise.verdict}")
+                     f"fastest and runner-up {'apart' if noise.separable else 'within noise'}"
+                     f"; {noise.verdict}")
     return Engine(name, "kiln", {"kind": "kiln", "artifact_dir": str(artifact)},
                   manifest.precision, build_s, note)
 
