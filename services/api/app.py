@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from types import FrameType
 
 from celery import Celery
@@ -90,13 +91,20 @@ def _answer_long_polls_on_exit(hub: DesiredStateHub) -> Callable[[], None]:
     """uvicorn waits for open requests before it stops, and a held long-poll is open for up
     to a minute: on SIGTERM or SIGINT, they answer now (then uvicorn's own handler runs).
     Returns what puts the previous handlers back. Only the main thread can set handlers (a
-    test client runs the app in another: nothing to do)."""
+    test client runs the app in another: nothing to do).
+
+    Called on the event loop. The handler only schedules the close on that loop: a signal
+    handler runs in the main thread between any two bytecodes, which may be inside the hub's
+    lock (the loop holds it to subscribe a long-poll, for one), and closing the hub there
+    would wait for that lock forever; the API would never stop."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
+    loop = asyncio.get_running_loop()
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def handler(sig: int, frame: FrameType | None) -> None:
-        hub.close()
+        with suppress(RuntimeError):  # the loop is closed: nothing is held
+            loop.call_soon_threadsafe(hub.close)
         chained = previous[signal.Signals(sig)]
         if callable(chained):
             chained(sig, frame)
