@@ -208,7 +208,8 @@ class Agent(Reconciler):
         logger.info("agent %s stopped", self.settings.name)
 
     def request_stop(self) -> None:
-        """Ask the agent to stop (safe from a signal handler); ``wait()`` then returns."""
+        """Ask the agent to stop; ``wait()`` then returns. Not from a signal handler: it takes
+        the events' locks, which the interrupted thread may hold."""
         self._stop.set()
         self._wake.set()
         self._beat_now.set()
@@ -274,7 +275,10 @@ def run_agent(settings: AgentSettings) -> None:
         logger.warning("the agent is not confined (KILN_AGENT_CONFINE=false): custom-op "
                        "plugins run with every right of the agent's user")
     agent.start()
-    previous = signal.signal(signal.SIGTERM, lambda *_: agent.request_stop())
+    # SIGTERM ends the wait as Ctrl-C does, by an exception in the main thread. Stopping the
+    # agent inside the handler would take its events' locks, one of which the main thread
+    # holds for a moment as it enters the wait: a signal landing then would hang the agent.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         agent.wait()
     except KeyboardInterrupt:
