@@ -14,6 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import typer
 
+from schemas.blas import one_blas_thread
 from schemas.console import consoles
 from schemas.errors import ConfigError, KilnError
 from schemas.exit_codes import exit_code
@@ -59,6 +60,7 @@ def worker(
     """Run a compiler worker consuming the queues of this machine's fingerprint keys, with
     the settings of its environment (KILN_WORKER_*, KILN_BROKER_URL, ...). The unknown-variable
     check is its launcher's (``kiln worker``), which knows every side's variables."""
+    one_blas_thread()  # before the backends load numpy (schemas.blas says why)
     from compiler_worker.config import get_worker_settings
 
     settings = get_worker_settings()

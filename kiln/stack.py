@@ -3,6 +3,7 @@ processes, SQLite, a local blob directory and a broker that needs no server."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -25,6 +26,13 @@ logger = logging.getLogger(__name__)
 
 #: The name the embedded stack's agent registers under (its token names it).
 AGENT_NAME = "local-agent"
+
+#: The options of ``kiln worker`` that the stack's workers take (``EmbeddedStack.worker_args``,
+#: ``add_worker``).
+_WORKER_OPTIONS = argparse.ArgumentParser(prog="kiln worker", add_help=False, exit_on_error=False)
+_WORKER_OPTIONS.add_argument("--pool", choices=("prefork", "solo"), default="prefork")
+_WORKER_OPTIONS.add_argument("--concurrency", type=int)
+_WORKER_OPTIONS.add_argument("--fingerprint-file")
 
 
 def worker_environment(env: Mapping[str, str]) -> dict[str, str]:
@@ -87,6 +95,8 @@ class EmbeddedStack:
     #: The agent token minted by ``prepare`` for the local agent (``AGENT_NAME`` only).
     agent_token: str | None = None
     _env: dict[str, str] = field(default_factory=dict, repr=False)
+    #: Worker process id → its name (the side's entry point takes it from the environment).
+    _names: dict[int, str] = field(default_factory=dict, repr=False)
 
     @property
     def api_url(self) -> str:
@@ -116,6 +126,12 @@ class EmbeddedStack:
         for name in ("KILN_DATABASE_URL", "KILN_STORE_URI", "KILN_BROKER_URL"):
             env.pop(name, None)  # the embedded defaults, under KILN_HOME ...
         env.update(self.overrides)  # ... unless told otherwise
+        # The launch check of ``kiln api`` and ``kiln worker``, once for the stack: its
+        # processes start as the sides' own entry points (``_api_argv``, ``_worker_argv``).
+        from kiln.settings import check_environment
+
+        check_environment(env, production=env.get("KILN_ENV", "production") != "dev",
+                          logger=logger)
         proc = subprocess.run([sys.executable, "-m", "services", "stack-init",
                                "--agent", AGENT_NAME], env=env, capture_output=True,
                               text=True, timeout=300)
@@ -137,12 +153,13 @@ class EmbeddedStack:
         log_dir = self.home / "logs"
         log_dir.mkdir(exist_ok=True)
         self._spawn(self._api_argv(), env, log_dir / "api.log")
-        cli = [sys.executable, "-m", "kiln.cli"]
         for i in range(self.workers):
-            self._spawn([*cli, "worker", "--name", f"embedded-{i}", *self.worker_args],
-                        self.worker_env(), log_dir / f"worker-{i}.log")
+            self._spawn(*self._worker_command(f"embedded-{i}", self.worker_args),
+                        log_dir / f"worker-{i}.log")
+            self._names[self.processes[-1].pid] = f"embedded-{i}"
         self.wait_healthy()
         if self.agent_labels is not None:
+            cli = [sys.executable, "-m", "kiln.cli"]
             # The token goes in the environment, never on the command line (any local user
             # reads /proc/<pid>/cmdline).
             self._spawn([*cli, "agent", "--api", self.api_url,
@@ -171,14 +188,40 @@ class EmbeddedStack:
     def agent_url(self) -> str:
         return f"http://{self.host}:{self.agent_port}"
 
+    # The API and the workers start as ``kiln api`` and ``kiln worker`` become once their
+    # launcher has checked the environment (``prepare`` did that for the stack): a launcher
+    # per process imported the whole ``kiln`` command line and every side's settings again
+    # on each start and restart, a good part of a stack's start-up CPU.
     def _api_argv(self) -> list[str]:
-        return [sys.executable, "-m", "kiln.cli", "api", "--host", self.host,
+        return [sys.executable, "-m", "services", "api", "--host", self.host,
                 "--port", str(self.port)]
+
+    def _worker_command(self, name: str, args: list[str] | tuple[str, ...],
+                        ) -> tuple[list[str], dict[str, str]]:
+        """The argv and environment of a worker named ``name`` given ``kiln worker``'s
+        options ``args`` (``--pool``, ``--concurrency``, ``--fingerprint-file``): the side's
+        entry point takes the pool options, its environment the rest, as ``kiln worker``
+        passes them."""
+        try:
+            options, unknown = _WORKER_OPTIONS.parse_known_args(list(args))
+        except argparse.ArgumentError as exc:
+            raise ValueError(f"a stack's worker options: {exc}") from exc
+        if unknown:
+            raise ValueError(f"a stack's worker takes --pool, --concurrency and "
+                             f"--fingerprint-file; got {unknown}")
+        env = {**self.worker_env(), "KILN_WORKER_NAME": name}
+        if options.fingerprint_file:
+            env["KILN_FINGERPRINT_FILE"] = str(Path(options.fingerprint_file).resolve())
+        argv = [sys.executable, "-m", "compiler_worker", "worker", "--pool", options.pool]
+        if options.concurrency is not None:
+            argv += ["--concurrency", str(options.concurrency)]
+        return argv, env
 
     def add_worker(self, name: str, *args: str) -> subprocess.Popen:
         """Start one more compiler worker (e.g. ``--fingerprint-file`` to declare hardware)."""
-        proc = self._popen([sys.executable, "-m", "kiln.cli", "worker", "--name", name, *args],
-                           self.worker_env(), self.home / "logs" / f"worker-{name}.log")
+        proc = self._popen(*self._worker_command(name, args),
+                           self.home / "logs" / f"worker-{name}.log")
+        self._names[proc.pid] = name
         self.processes.append(proc)
         return proc
 
@@ -207,12 +250,11 @@ class EmbeddedStack:
             return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
 
-    @staticmethod
-    def describe(proc: subprocess.Popen) -> str:
+    def describe(self, proc: subprocess.Popen) -> str:
         """``kiln worker embedded-0``-style name of one of the stack's processes."""
         argv = list(proc.args)
-        name = argv[argv.index("--name") + 1] if "--name" in argv else ""
-        return f"kiln {argv[3]} {name}".strip()
+        name = argv[argv.index("--name") + 1] if "--name" in argv else self._names.get(proc.pid)
+        return f"kiln {argv[3]} {name or ''}".strip()
 
     def wait_healthy(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s

@@ -11,16 +11,18 @@ import re
 import socket
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from artifact_store.http_guard import ConnectionLimits
-from runtime_agent.trust import AgentTrust
 from schemas.agents import AGENT_NAME_PATTERN
 from schemas.deployments import LABEL_KEY_PATTERN
 from schemas.errors import ConfigError
+
+if TYPE_CHECKING:
+    from runtime_agent.trust import AgentTrust
 
 GiB = 1024**3
 MiB = 1024**2
@@ -194,6 +196,11 @@ class AgentSettings(BaseSettings):
                 "keys, PEM; pass --root-key) or KILN_AGENT_TRUSTED_KEYS (online keys; "
                 "--trusted-key). The embedded stack's root key is $KILN_HOME/root.key.pub"
             )
+        # Imported here: every ``kiln`` launcher reads these settings' fields to know the
+        # agent's variables, and the signing stack (securesystemslib, which imports boto3)
+        # would be loaded on each start for nothing.
+        from runtime_agent.trust import AgentTrust
+
         return AgentTrust(self.cache_dir / "trust", root_keys=list(self.root_keys),
                           trusted_keys=list(self.trusted_keys), agent=self.name)
 

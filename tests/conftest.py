@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from schemas.blas import one_blas_thread
+
 REQUIRE_SERVICES = os.environ.get("KILN_REQUIRE_SERVICES") == "1"
 PG_ADMIN_URL = os.environ.get(
     "KILN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -37,6 +39,10 @@ _XDIST_INDEX = int(XDIST_WORKER[2:]) if XDIST_WORKER.startswith("gw") else 0
 # Tests about a width set one themselves.
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
+# The test processes compile and time in-process as ``kiln compile`` does, and every process
+# they start inherits this: one BLAS thread, as Kiln's entry points default to
+# (schemas.blas says why). Before anything here imports numpy.
+one_blas_thread()
 
 
 def _redis_databases() -> tuple[str, int, int]:

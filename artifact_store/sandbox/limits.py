@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from schemas.blas import one_blas_thread
+
 #: Variables a child may inherit: the thread-count knobs (how many cores it may use) and the
 #: import path. Everything else is dropped: no credential, token or URL reaches the child.
 PASSED_VARIABLES = (
@@ -100,6 +102,7 @@ def child_environment(scratch: Path, parent: Mapping[str, str] | None = None) ->
     env = {"PATH": parent.get("PATH", os.defpath), "HOME": str(scratch), "TMPDIR": str(scratch),
            "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
     env.update({name: parent[name] for name in PASSED_VARIABLES if parent.get(name)})
+    one_blas_thread(env)  # a child runs one step; an idle BLAS pool would only spin
     return env
 
 

@@ -14,6 +14,7 @@ import typer
 
 from kiln.cli import admin, fleet, local, remote, serve
 from kiln.cli.common import err
+from schemas.blas import one_blas_thread
 from schemas.exit_codes import run_reporting_errors
 
 app = typer.Typer(no_args_is_help=True, add_completion=True, help=__doc__)
@@ -53,4 +54,7 @@ app.add_typer(remote.dataset_app, name="dataset")
 
 
 def main() -> None:
+    # Before any command loads numpy: ``kiln agent`` serves engines and ``kiln compile``
+    # times them, each with its own thread pools (schemas.blas says why).
+    one_blas_thread()
     run_reporting_errors(app, err)

@@ -67,7 +67,8 @@ def test_the_child_gets_no_credentials_no_files_no_network_and_cannot_touch_its_
             listener.accept()  # nobody connected
 
     assert set(got["env"]) <= {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONPATH",
-                               "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED"}
+                               "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED",
+                               "OPENBLAS_NUM_THREADS"}
     assert got["env"]["HOME"] == str(scratch.resolve())
     assert SECRET not in repr(got)
     assert all(result.startswith("refused") for result in got["reads"].values()), got["reads"]
@@ -87,6 +88,9 @@ def test_child_environment_keeps_only_paths_and_thread_counts(tmp_path: Path):
     assert env["PATH"] == "/usr/bin" and env["OMP_NUM_THREADS"] == "2"
     assert env["PYTHONPATH"] == "/src" and env["HOME"] == env["TMPDIR"] == str(tmp_path)
     assert "KILN_SECRET_KEY" not in env and "AWS_ACCESS_KEY_ID" not in env
+    # numpy's BLAS pool: one thread unless the parent says otherwise (schemas.blas).
+    assert env["OPENBLAS_NUM_THREADS"] == "1"
+    assert child_environment(tmp_path, {"OPENBLAS_NUM_THREADS": "4"})["OPENBLAS_NUM_THREADS"] == "4"
 
 
 def test_args_and_answer_round_trip_as_json_in_the_scratch_folder(tmp_path: Path):

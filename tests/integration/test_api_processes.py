@@ -177,7 +177,10 @@ def test_the_fleet_port_has_processes_of_its_own_and_hears_of_changes_at_once(
                                           "selector": {"site": "a"}}).raise_for_status()
         thread.join(20)
     assert [status for status, _ in answered] == [200]
-    assert answered[0][1] - deployed < 0.6
+    # Heard at the next re-check, not at the end of the 30 s wait. The bound includes the
+    # deployment's own request and leaves room for a loaded host: a tight one failed while
+    # four test processes shared two cores, the mechanism working.
+    assert answered[0][1] - deployed < 5
     os.killpg(stack.processes[0].pid, 15)
     stack.processes[0].wait(20)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children)
