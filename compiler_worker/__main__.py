@@ -56,11 +56,15 @@ def _check_broker(settings) -> None:
 def worker(
     concurrency: Annotated[int | None, typer.Option(min=1)] = None,
     pool: Annotated[str, typer.Option(help="celery pool: prefork or solo")] = "prefork",
+    name: Annotated[str | None, typer.Option(
+        help="worker name shown on jobs (default: KILN_WORKER_NAME)")] = None,
 ) -> None:
     """Run a compiler worker consuming the queues of this machine's fingerprint keys, with
     the settings of its environment (KILN_WORKER_*, KILN_BROKER_URL, ...). The unknown-variable
     check is its launcher's (``kiln worker``), which knows every side's variables."""
     one_blas_thread()  # before the backends load numpy (schemas.blas says why)
+    if name:
+        os.environ["KILN_WORKER_NAME"] = name
     from compiler_worker.config import get_worker_settings
 
     settings = get_worker_settings()

@@ -95,8 +95,6 @@ class EmbeddedStack:
     #: The agent token minted by ``prepare`` for the local agent (``AGENT_NAME`` only).
     agent_token: str | None = None
     _env: dict[str, str] = field(default_factory=dict, repr=False)
-    #: Worker process id → its name (the side's entry point takes it from the environment).
-    _names: dict[int, str] = field(default_factory=dict, repr=False)
 
     @property
     def api_url(self) -> str:
@@ -156,7 +154,6 @@ class EmbeddedStack:
         for i in range(self.workers):
             self._spawn(*self._worker_command(f"embedded-{i}", self.worker_args),
                         log_dir / f"worker-{i}.log")
-            self._names[self.processes[-1].pid] = f"embedded-{i}"
         self.wait_healthy()
         if self.agent_labels is not None:
             cli = [sys.executable, "-m", "kiln.cli"]
@@ -200,8 +197,8 @@ class EmbeddedStack:
                         ) -> tuple[list[str], dict[str, str]]:
         """The argv and environment of a worker named ``name`` given ``kiln worker``'s
         options ``args`` (``--pool``, ``--concurrency``, ``--fingerprint-file``): the side's
-        entry point takes the pool options, its environment the rest, as ``kiln worker``
-        passes them."""
+        entry point takes the name and the pool options, its environment the fingerprint
+        file, as ``kiln worker`` passes it."""
         try:
             options, unknown = _WORKER_OPTIONS.parse_known_args(list(args))
         except argparse.ArgumentError as exc:
@@ -209,10 +206,11 @@ class EmbeddedStack:
         if unknown:
             raise ValueError(f"a stack's worker takes --pool, --concurrency and "
                              f"--fingerprint-file; got {unknown}")
-        env = {**self.worker_env(), "KILN_WORKER_NAME": name}
+        env = self.worker_env()
         if options.fingerprint_file:
             env["KILN_FINGERPRINT_FILE"] = str(Path(options.fingerprint_file).resolve())
-        argv = [sys.executable, "-m", "compiler_worker", "worker", "--pool", options.pool]
+        argv = [sys.executable, "-m", "compiler_worker", "worker", "--name", name,
+                "--pool", options.pool]
         if options.concurrency is not None:
             argv += ["--concurrency", str(options.concurrency)]
         return argv, env
@@ -221,7 +219,6 @@ class EmbeddedStack:
         """Start one more compiler worker (e.g. ``--fingerprint-file`` to declare hardware)."""
         proc = self._popen(*self._worker_command(name, args),
                            self.home / "logs" / f"worker-{name}.log")
-        self._names[proc.pid] = name
         self.processes.append(proc)
         return proc
 
@@ -250,11 +247,12 @@ class EmbeddedStack:
             return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
 
-    def describe(self, proc: subprocess.Popen) -> str:
+    @staticmethod
+    def describe(proc: subprocess.Popen) -> str:
         """``kiln worker embedded-0``-style name of one of the stack's processes."""
         argv = list(proc.args)
-        name = argv[argv.index("--name") + 1] if "--name" in argv else self._names.get(proc.pid)
-        return f"kiln {argv[3]} {name or ''}".strip()
+        name = argv[argv.index("--name") + 1] if "--name" in argv else ""
+        return f"kiln {argv[3]} {name}".strip()
 
     def wait_healthy(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
