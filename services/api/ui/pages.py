@@ -8,12 +8,12 @@ import json
 import logging
 from collections import defaultdict
 from datetime import datetime
-from typing import Annotated, Any
+from functools import cache
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import quote, urlencode
 
 from fastapi import APIRouter, FastAPI, Form, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
-from jinja2 import Environment, PackageLoader, select_autoescape
 from pydantic import BeforeValidator
 from starlette.routing import NoMatchFound
 from starlette.types import Scope
@@ -54,6 +54,9 @@ from services.api.ui.session import (
 from services.config import KilnSettings
 from services.db import repo
 
+if TYPE_CHECKING:
+    from jinja2 import Environment
+
 logger = logging.getLogger(__name__)
 
 router = APIRouter(prefix=PREFIX, include_in_schema=False, route_class=Route)
@@ -76,11 +79,19 @@ def _detail(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, indent=1, default=str)
 
 
-_env = Environment(loader=PackageLoader("services.api.ui", "templates"),
-                   autoescape=select_autoescape(default=True, default_for_string=True))
-_env.filters["ts"] = _timestamp
-_env.filters["detail"] = _detail
-_env.filters["short"] = lambda value, n=12: (value or "")[:n]
+@cache
+def _templates() -> Environment:
+    """The pages' templates, loaded with the first page served: jinja2 compiles its lexer's
+    patterns when it is imported, start-up time that an API serving no browser never needs
+    (every stack of the test suite starts one)."""
+    from jinja2 import Environment, PackageLoader, select_autoescape
+
+    env = Environment(loader=PackageLoader("services.api.ui", "templates"),
+                      autoescape=select_autoescape(default=True, default_for_string=True))
+    env.filters["ts"] = _timestamp
+    env.filters["detail"] = _detail
+    env.filters["short"] = lambda value, n=12: (value or "")[:n]
+    return env
 
 
 def _nav(app: FastAPI) -> list[tuple[str, str]]:
@@ -101,7 +112,7 @@ def render(request: Request, template: str, *, status: int = 200,
     """A page, with the navigation, who is signed in and the CSRF token for its forms."""
     settings: KilnSettings = request.app.state.settings
     principal = principal or getattr(request.state, PRINCIPAL, None)
-    html = _env.get_template(template).render(
+    html = _templates().get_template(template).render(
         path=request.url.path, nav=_nav(request.app), principal=principal,
         admin=principal is not None and principal.role is Role.ADMIN,
         csrf=csrf_token(settings.secret_key, principal) if principal else "",
