@@ -2,7 +2,7 @@
 the calling process, and the least address space a child needs to import the toolchain.
 
 Rows: a bare child round trip (interpreter start, confinement, JSON both ways); the API's
-model inspection (a small ``.onnx``); the worker's custom-op scan; a whole compile of the MLP
+model inspection (a small ``.onnx``); a whole compile of the MLP
 (``kiln.examples.mlp``, few samples). A second table times a bare child with and without its
 process bounds (PID namespace and fresh ``/proc``, pids cgroup, the Unix-socket filter) in
 interleaved pairs. The address-space column halves the search interval
@@ -31,7 +31,6 @@ from compiler_worker.sandbox import Sandbox
 from kiln.examples import mlp
 from runtime_agent.fingerprint import detect_fingerprint
 from schemas._canonical import sha256_hex
-from schemas.onnx_model import custom_ops, load_model_bytes
 from schemas.options import CompileOptions
 from services.api.inspection import check_model_upload
 from services.config import KilnSettings
@@ -97,9 +96,6 @@ def main() -> None:
                                         settings=settings),
              lambda: check_upload([("model.onnx", upload)], fresh() / "model",
                                   max_bytes=settings.max_upload_bytes)),
-            ("worker: scan the model's custom ops",
-             lambda: sandbox.custom_ops(data, fresh()),
-             lambda: custom_ops(load_model_bytes(data))),
         ]
         table = Table(title=f"the sandbox's cost (median \\[min–max] of {args.repeats})")
         for column in ("step", "in a bounded child (wall)", "the child's CPU",

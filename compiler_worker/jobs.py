@@ -33,13 +33,14 @@ from celery.exceptions import SoftTimeLimitExceeded
 from compiler_worker.config import WorkerSettings
 from compiler_worker.control import BuildClient
 from compiler_worker.cross import cross_targets
-from compiler_worker.pipeline import CompileResult, plan_build
-from compiler_worker.sandbox import Sandbox, limits_from
+from compiler_worker.pipeline import BuildPlan, CompileResult, plan_build
+from compiler_worker.sandbox import CustomOpsFound, Sandbox, limits_from
 from runtime_agent.fingerprint import resolve_fingerprint
 from schemas.builds import BuildClaim, BuildPublished, ClaimedJob
 from schemas.errors import (
     BackendUnavailable,
     ClaimRefused,
+    CompileError,
     ErrorBody,
     ErrorCode,
     FingerprintMismatch,
@@ -237,11 +238,43 @@ class JobRunner:
         self._stage(job_id, JobStage.LOADING, 0.02)
         model_bytes = self.builds.model(job_id, model_id, workdir / "model.download").read_bytes()
         (workdir / "model.download").unlink()
-        plugins = self._plugins(job_id, model_bytes, workdir)
+        # Planned without plugins first: the build's child answers the custom ops of a model
+        # that uses any (``CustomOpsFound``), and the plan, the cache and the build are taken
+        # again with the plugins that provide them. The plugins are part of the artifact's
+        # id, so a model with custom ops is never a cache hit without them.
+        plugins: list[tuple[PluginRef, Path]] = []
+        datasets: tuple[bytes | None, bytes | None] | None = None
+        while True:
+            plan = self._plan(job_id, model_id, model_bytes, options, fingerprint_key, plugins)
+            cache = self.builds.cache(job_id, plan.toolchain)
+            if cache.hit:
+                logger.info("job %s: cache hit, artifact %s", job_id, cache.artifact_id)
+                return None
+            if datasets is None:
+                datasets = (self._dataset(job_id, options.samples, workdir),
+                            self._dataset(job_id, options.calibration, workdir))
+            try:
+                result = self.sandbox.compile_model(
+                    model_bytes, options, fingerprint=self.target_for(fingerprint_key),
+                    workdir=workdir,
+                    on_stage=lambda stage, progress: self._stage(job_id, stage, progress),
+                    plugins=plugins, plan=plan, samples=datasets[0], calibration=datasets[1],
+                    reuse=None if force else cache.tuning,
+                )
+            except CustomOpsFound as found:
+                plugins = self._plugins(job_id, found.ops, workdir)
+                if not plugins:
+                    raise CompileError(f"no plugin was given for the model's custom ops "
+                                       f"({', '.join(sorted(found.ops))})") from found
+                continue
+            self._keep_result(workdir, result)
+            return result
+
+    def _plan(self, job_id: str, model_id: str, model_bytes: bytes, options: CompileOptions,
+              fingerprint_key: str, plugins: list[tuple[PluginRef, Path]]) -> BuildPlan:
         try:
-            plan = plan_build(model_id, options, self.target_for(fingerprint_key),
-                              key=fingerprint_key,
-                              plugins=[ref for ref, _ in plugins],
+            return plan_build(model_id, options, self.target_for(fingerprint_key),
+                              key=fingerprint_key, plugins=[ref for ref, _ in plugins],
                               model_format=model_format(model_bytes))
         except BackendUnavailable as exc:
             raise FingerprintMismatch(
@@ -249,21 +282,6 @@ class JobRunner:
                 f"build ({exc.message}); it was routed to the wrong queue",
                 expected=fingerprint_key,
             ) from exc
-        cache = self.builds.cache(job_id, plan.toolchain)
-        if cache.hit:
-            logger.info("job %s: cache hit, artifact %s", job_id, cache.artifact_id)
-            return None
-        samples = self._dataset(job_id, options.samples, workdir)
-        calibration = self._dataset(job_id, options.calibration, workdir)
-        result = self.sandbox.compile_model(
-            model_bytes, options, fingerprint=self.target_for(fingerprint_key),
-            workdir=workdir,
-            on_stage=lambda stage, progress: self._stage(job_id, stage, progress),
-            plugins=plugins, plan=plan, samples=samples, calibration=calibration,
-            reuse=None if force else cache.tuning,
-        )
-        self._keep_result(workdir, result)
-        return result
 
     @staticmethod
     def _keep_result(workdir: Path, result: CompileResult) -> None:
@@ -333,14 +351,11 @@ class JobRunner:
         dest.unlink()
         return data
 
-    def _plugins(self, job_id: str, model_bytes: bytes, workdir: Path
+    def _plugins(self, job_id: str, ops: set[str], workdir: Path
                  ) -> list[tuple[PluginRef, Path]]:
-        """The registered plugins providing the model's custom ops, fetched and verified.
-        An op that no plugin declares fails the job (``unknown_operator`` from the API,
-        naming what is registered)."""
-        ops = self.sandbox.custom_ops(model_bytes, workdir)
-        if not ops:
-            return []
+        """The registered plugins providing the model's custom ops ``ops``, fetched and
+        verified. An op that no plugin declares fails the job (``unknown_operator`` from the
+        API, naming what is registered)."""
         fetched = []
         for info in self.builds.plugins(job_id, ops):
             path = self.builds.plugin_bundle(job_id, info,

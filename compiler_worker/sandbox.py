@@ -36,7 +36,7 @@ from schemas.options import CompileOptions
 from schemas.plugins import PluginRef
 from schemas.tuning import TuningTable
 
-__all__ = ["Sandbox", "limits_from"]
+__all__ = ["CustomOpsFound", "Sandbox", "limits_from"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,14 @@ def limits_from(settings: WorkerSettings) -> Limits:
     )
 
 
+class CustomOpsFound(Exception):
+    """The model uses ``ops`` (``domain::OpType``), and the build was given no plugins."""
+
+    def __init__(self, ops: set[str]) -> None:
+        super().__init__(f"the model uses custom ops: {', '.join(sorted(ops))}")
+        self.ops = ops
+
+
 class Sandbox:
     """The worker's door to its bounded children."""
 
@@ -73,16 +81,6 @@ class Sandbox:
                 logger.warning("sandbox: %s lies under a folder sandboxed builds may read (the "
                                "Python installation, a system folder or the import path); "
                                "keep it elsewhere", secret)
-
-    def custom_ops(self, model_bytes: bytes, workdir: Path) -> set[str]:
-        """The custom ops (``domain::OpType``) the model uses, parsed in a child."""
-        model = _write(workdir, MODEL_FILE, model_bytes)
-        ops = run_sandboxed(sandbox_child.__name__, "custom_ops", {"model": model.name},
-                            scratch=workdir, limits=self.limits, stage=JobStage.LOADING.value)
-        if not isinstance(ops, list) or not all(isinstance(op, str) for op in ops):
-            raise CompileError(f"the model inspection answered {type(ops).__name__}, not a "
-                               f"list of op names")
-        return set(ops)
 
     def compile_model(
         self,
@@ -101,7 +99,11 @@ class Sandbox:
     ) -> CompileResult:
         """``pipeline.compile_model`` in a child: the same arguments, except that the
         datasets are the ``.npz`` bytes (checked and loaded in the child) and ``plugins``'
-        archives must lie inside ``workdir``. The result's blobs lie in ``workdir``."""
+        archives must lie inside ``workdir``. The result's blobs lie in ``workdir``.
+
+        ``CustomOpsFound`` when the model uses custom ops and ``plugins`` is empty: the
+        child parsed the model, found them and built nothing; build again with the plugins
+        that provide them."""
         workdir = Path(workdir).resolve()
         # The child's HOME is its scratch folder: the runtimes' opt-outs go there too, or
         # OpenVINO's telemetry would take consent as given, write a client id and usage counts
@@ -140,6 +142,13 @@ class Sandbox:
         answer = run_sandboxed(sandbox_child.__name__, "compile", args, scratch=workdir,
                                limits=self.limits, stage=JobStage.LOADING.value, on_event=relay,
                                readable=[Path(args["benchmark_lock"])])
+        if isinstance(answer, dict) and "custom_ops" in answer and not plugins:
+            ops = answer["custom_ops"]
+            if (not isinstance(ops, list) or not ops
+                    or not all(isinstance(op, str) for op in ops)):
+                raise CompileError(f"the build answered custom ops {ops!r}, not a list of op "
+                                   f"names")
+            raise CustomOpsFound(set(ops))
         return _checked_result(answer, plan, options, workdir, plugins)
 
 

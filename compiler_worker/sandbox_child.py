@@ -14,25 +14,29 @@ from typing import Any
 
 from artifact_store.sandbox.child import Emit, Step, serve_child
 
-__all__ = ["STEPS", "compile_child", "custom_ops_child"]
+__all__ = ["STEPS", "compile_child", "model_custom_ops"]
 
 
-def custom_ops_child(args: dict[str, Any], emit: Emit) -> list[str]:
-    """The custom ops (``domain::OpType``) the model in the scratch folder uses."""
+def model_custom_ops(path: Path) -> list[str]:
+    """The custom ops (``domain::OpType``) the model at ``path`` uses."""
     from schemas.onnx_model import custom_ops, load_model_bytes
     from schemas.torch_export import inspect_export_archive, is_zip
 
-    path = Path(args["model"])
     with path.open("rb") as handle:
         if is_zip(handle.read(4)):  # a torch.export program: its ops outside torch's own
             return sorted(inspect_export_archive(path).custom_ops)
 
-    return sorted(custom_ops(load_model_bytes(Path(args["model"]).read_bytes())))
+    return sorted(custom_ops(load_model_bytes(path.read_bytes())))
 
 
 def compile_child(args: dict[str, Any], emit: Emit) -> dict[str, Any]:
     """``pipeline.compile_model`` on the inputs in the scratch folder: the manifest, and each
-    blob's path relative to the scratch folder (``Sandbox.compile_model`` checks both)."""
+    blob's path relative to the scratch folder (``Sandbox.compile_model`` checks both).
+
+    Given no plugins, a model that uses custom ops is not built: the answer is
+    ``{"custom_ops": [...]}``, and the worker asks the control plane for the plugins that
+    provide them and starts the build again with them. Most models use none, and their
+    build needs no child of its own to find that out first."""
     from compiler_worker.pipeline import compile_model, plan_build
     from schemas._canonical import sha256_hex
     from schemas.datasets import load_npz
@@ -49,6 +53,10 @@ def compile_child(args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         data = Path(name).read_bytes()
         return load_npz(data, max_bytes=len(data))
 
+    if not args["plugins"]:
+        ops = model_custom_ops(Path(args["model"]))
+        if ops:
+            return {"custom_ops": ops}
     model_bytes = Path(args["model"]).read_bytes()
     options = CompileOptions.model_validate(args["options"])
     fingerprint = HardwareFingerprint.model_validate(args["fingerprint"])
@@ -77,7 +85,7 @@ def compile_child(args: dict[str, Any], emit: Emit) -> dict[str, Any]:
 
 
 #: The steps ``compiler_worker.sandbox`` asks of this entry point, by name.
-STEPS: dict[str, Step] = {"custom_ops": custom_ops_child, "compile": compile_child}
+STEPS: dict[str, Step] = {"compile": compile_child}
 
 if __name__ == "__main__":
     serve_child(STEPS)

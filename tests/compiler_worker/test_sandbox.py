@@ -16,7 +16,7 @@ from onnx import TensorProto, helper
 
 from artifact_store.sandbox import Limits
 from compiler_worker.pipeline import plan_build
-from compiler_worker.sandbox import Sandbox
+from compiler_worker.sandbox import CustomOpsFound, Sandbox
 from kiln.examples import mlp
 from schemas._canonical import sha256_hex
 from schemas.errors import ResourceLimit
@@ -107,6 +107,26 @@ def test_a_hostile_plugin_gets_nothing_of_the_worker(
         assert probe[attempt].startswith("refused"), (attempt, probe[attempt])
     assert not outside.exists()
     assert SECRET not in caplog.text
+
+
+def test_a_build_given_no_plugins_answers_the_custom_ops_of_its_model_and_builds_nothing(
+        tmp_path: Path, fingerprint: HardwareFingerprint):
+    """The worker learns a model's custom ops from its build's child (which then builds
+    nothing) and builds again with the plugins; a model without any builds at once."""
+    domain = unique_domain()
+    model, options = scale_model(domain), fast_options()
+    sandbox = Sandbox(Limits(wall_s=300))
+    with pytest.raises(CustomOpsFound) as found:
+        sandbox.compile_model(model.SerializeToString(), options, fingerprint=fingerprint,
+                              workdir=tmp_path / "job", plan=_plan(model, fingerprint, options))
+    assert found.value.ops == {f"{domain}::Scale"}
+    assert not [p for p in (tmp_path / "job").rglob("*")
+                if p.suffix in {".onnx", ".xml", ".bin", ".pt2", ".json"}]  # no engine, no result
+    plain = mlp()
+    result = sandbox.compile_model(plain.SerializeToString(), options, fingerprint=fingerprint,
+                                   workdir=tmp_path / "plain",
+                                   plan=_plan(plain, fingerprint, options))
+    assert result.manifest.plugins == [] and result.manifest.verification.passed
 
 
 def inflating_model(side: int = 1 << 15) -> onnx.ModelProto:
