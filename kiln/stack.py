@@ -125,7 +125,7 @@ class EmbeddedStack:
             env.pop(name, None)  # the embedded defaults, under KILN_HOME ...
         env.update(self.overrides)  # ... unless told otherwise
         # The launch check of ``kiln api`` and ``kiln worker``, once for the stack: its
-        # processes start as the sides' own entry points (``_api_argv``, ``_worker_argv``).
+        # processes start as the sides' own entry points (``_api_argv``, ``_worker_command``).
         from kiln.settings import check_environment
 
         check_environment(env, production=env.get("KILN_ENV", "production") != "dev",
