@@ -173,7 +173,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-crossbackend-") as tmp:
         work = Path(tmp)
         stack = EmbeddedStack(home=work / "kiln", port=free_port(), agent_labels="bench=xb",
-                              agent_port=free_port(), worker_args=["--pool", "solo"])
+                              agent_port=free_port(), pool="solo")
         with stack:
             client = stack.client()
             ort_key, aoti_key = wait_keys(client)

@@ -68,7 +68,7 @@ class Matrix:
         with self.admin.connect() as conn:
             conn.execute(sa.text(f'CREATE DATABASE "{self.db}"'))
         self.stack = EmbeddedStack(
-            home=self.tmp / "kiln", port=free_port(), worker_args=["--concurrency", "1"],
+            home=self.tmp / "kiln", port=free_port(), concurrency=1,
             overrides={
                 # dev: the commit/enqueue hook is refused in production; every service is
                 # still named explicitly.
@@ -161,7 +161,7 @@ class Matrix:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
             self.stack.processes.remove(proc)
-            self.stack.add_worker("embedded-0", "--concurrency", "1")
+            self.stack.add_worker("embedded-0", concurrency=1)
         return self.outcome([(model_id, job_id)], time.monotonic())
 
     def redis_restart(self) -> dict:

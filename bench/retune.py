@@ -38,7 +38,7 @@ def one_run(i: int, tmp: Path) -> tuple[float, float, float]:
     fp_file = tmp / "variant.json"
     fp_file.write_text(fp.model_dump_json())
     agent_port = free_port()
-    stack = EmbeddedStack(home=tmp / "kiln", port=free_port(), worker_args=["--pool", "solo"],
+    stack = EmbeddedStack(home=tmp / "kiln", port=free_port(), pool="solo",
                           overrides={"KILN_AGENT_HEARTBEAT_S": "0.5"})
     agent = None
     try:
@@ -63,7 +63,7 @@ def one_run(i: int, tmp: Path) -> tuple[float, float, float]:
                 break
             except Exception:
                 time.sleep(0.02)
-        stack.add_worker("worker-variant", "--pool", "solo", "--fingerprint-file", str(fp_file))
+        stack.add_worker("worker-variant", pool="solo", fingerprint_file=str(fp_file))
         first_fallback = exact = None
         with httpx.Client(timeout=10) as http:
             deadline = time.monotonic() + 300

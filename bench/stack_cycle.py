@@ -37,7 +37,7 @@ def children_cpu() -> float:
 def one_cycle(root: Path) -> dict[str, float]:
     home = root / "kiln"
     migrated_sqlite(home / "kiln.db")  # as the tests start theirs: a copy of a migrated file
-    stack = EmbeddedStack(home=home, port=free_port(), worker_args=["--pool", "solo"])
+    stack = EmbeddedStack(home=home, port=free_port(), pool="solo")
     cpu, started = children_cpu(), time.perf_counter()
     stack.start()
     ready = time.perf_counter()

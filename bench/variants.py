@@ -51,7 +51,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         stack = EmbeddedStack(home=workdir / "kiln", port=free_port(),
-                              worker_args=["--pool", "solo"],
+                              pool="solo",
                               overrides={"KILN_AGENT_HEARTBEAT_S": "0.5"})
         agents = {}
         try:

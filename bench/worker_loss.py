@@ -31,7 +31,7 @@ from schemas.options import CompileOptions
 
 
 def one_run(i: int, tmp: Path, heartbeat: float, sweep: float) -> tuple[float, float, float]:
-    stack = EmbeddedStack(home=tmp / "kiln", port=free_port(), worker_args=["--pool", "solo"],
+    stack = EmbeddedStack(home=tmp / "kiln", port=free_port(), pool="solo",
                           overrides={"KILN_WORKER_HEARTBEAT_S": str(heartbeat),
                                      "KILN_JOB_SWEEP_S": str(sweep)})
     try:
@@ -52,7 +52,7 @@ def one_run(i: int, tmp: Path, heartbeat: float, sweep: float) -> tuple[float, f
         os.killpg(first.pid, signal.SIGKILL)
         killed = time.time()
         first.wait(10)
-        stack.add_worker("second", "--pool", "solo")
+        stack.add_worker("second", pool="solo")
         requeued = None
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:

@@ -3,7 +3,6 @@ processes, SQLite, a local blob directory and a broker that needs no server."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -27,12 +26,8 @@ logger = logging.getLogger(__name__)
 #: The name the embedded stack's agent registers under (its token names it).
 AGENT_NAME = "local-agent"
 
-#: The options of ``kiln worker`` that the stack's workers take (``EmbeddedStack.worker_args``,
-#: ``add_worker``).
-_WORKER_OPTIONS = argparse.ArgumentParser(prog="kiln worker", add_help=False, exit_on_error=False)
-_WORKER_OPTIONS.add_argument("--pool", choices=("prefork", "solo"), default="prefork")
-_WORKER_OPTIONS.add_argument("--concurrency", type=int)
-_WORKER_OPTIONS.add_argument("--fingerprint-file")
+#: The worker pools ``python -m compiler_worker worker --pool`` takes.
+POOLS = ("prefork", "solo")
 
 
 def worker_environment(env: Mapping[str, str]) -> dict[str, str]:
@@ -83,7 +78,10 @@ class EmbeddedStack:
     workers: int = 1
     #: Extra ``KILN_*`` variables, e.g. PostgreSQL, Redis and S3 instead of the embedded ones.
     overrides: dict[str, str] = field(default_factory=dict)
-    worker_args: list[str] = field(default_factory=list)
+    #: The stack's workers' pool (``POOLS``; ``solo`` runs a job in the worker's own process)
+    #: and, for ``prefork``, how many pool processes (``None``: one per core).
+    pool: str = "prefork"
+    concurrency: int | None = None
     #: Start a local runtime agent with these labels (``k=v,...``); ``None``: no agent.
     agent_labels: str | None = None
     agent_port: int = 8100
@@ -152,7 +150,8 @@ class EmbeddedStack:
         log_dir.mkdir(exist_ok=True)
         self._spawn(self._api_argv(), env, log_dir / "api.log")
         for i in range(self.workers):
-            self._spawn(*self._worker_command(f"embedded-{i}", self.worker_args),
+            self._spawn(*self._worker_command(f"embedded-{i}", pool=self.pool,
+                                              concurrency=self.concurrency),
                         log_dir / f"worker-{i}.log")
         self.wait_healthy()
         if self.agent_labels is not None:
@@ -193,31 +192,28 @@ class EmbeddedStack:
         return [sys.executable, "-m", "services", "api", "--host", self.host,
                 "--port", str(self.port)]
 
-    def _worker_command(self, name: str, args: list[str] | tuple[str, ...],
+    def _worker_command(self, name: str, *, pool: str, concurrency: int | None = None,
+                        fingerprint_file: Path | str | None = None,
                         ) -> tuple[list[str], dict[str, str]]:
-        """The argv and environment of a worker named ``name`` given ``kiln worker``'s
-        options ``args`` (``--pool``, ``--concurrency``, ``--fingerprint-file``): the side's
-        entry point takes the name and the pool options, its environment the fingerprint
-        file, as ``kiln worker`` passes it."""
-        try:
-            options, unknown = _WORKER_OPTIONS.parse_known_args(list(args))
-        except argparse.ArgumentError as exc:
-            raise ValueError(f"a stack's worker options: {exc}") from exc
-        if unknown:
-            raise ValueError(f"a stack's worker takes --pool, --concurrency and "
-                             f"--fingerprint-file; got {unknown}")
+        """The argv and environment of a worker named ``name``: the side's entry point takes
+        the name and the pool options, its environment the fingerprint file, as ``kiln
+        worker`` passes them."""
+        if pool not in POOLS:
+            raise ValueError(f"a stack's worker pool is one of {', '.join(POOLS)}; got {pool!r}")
         env = self.worker_env()
-        if options.fingerprint_file:
-            env["KILN_FINGERPRINT_FILE"] = str(Path(options.fingerprint_file).resolve())
+        if fingerprint_file:
+            env["KILN_FINGERPRINT_FILE"] = str(Path(fingerprint_file).resolve())
         argv = [sys.executable, "-m", "compiler_worker", "worker", "--name", name,
-                "--pool", options.pool]
-        if options.concurrency is not None:
-            argv += ["--concurrency", str(options.concurrency)]
+                "--pool", pool]
+        if concurrency is not None:
+            argv += ["--concurrency", str(concurrency)]
         return argv, env
 
-    def add_worker(self, name: str, *args: str) -> subprocess.Popen:
-        """Start one more compiler worker (e.g. ``--fingerprint-file`` to declare hardware)."""
-        proc = self._popen(*self._worker_command(name, args),
+    def add_worker(self, name: str, *, pool: str = "prefork", concurrency: int | None = None,
+                   fingerprint_file: Path | str | None = None) -> subprocess.Popen:
+        """Start one more compiler worker (``fingerprint_file``: the hardware it declares)."""
+        proc = self._popen(*self._worker_command(name, pool=pool, concurrency=concurrency,
+                                                 fingerprint_file=fingerprint_file),
                            self.home / "logs" / f"worker-{name}.log")
         self.processes.append(proc)
         return proc

@@ -91,7 +91,7 @@ def _start(request: pytest.FixtureRequest, tmp_path: Path, kind: str,
         migrated_sqlite(tmp_path / "kiln" / "kiln.db")  # the stack migrates it: already at head
     stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(),
                           overrides={**overrides, **(marker.args[0] if marker else {})},
-                          worker_args=["--pool", "solo"])
+                          pool="solo")
     shared = request.scope != "function"
     failed_before = request.session.testsfailed if shared else None
     try:
@@ -165,7 +165,7 @@ def running_stack(request: pytest.FixtureRequest, tmp_path: Path, *,
     template unless ``overrides`` name another."""
     if "KILN_DATABASE_URL" not in (overrides or {}):
         migrated_sqlite(tmp_path / "kiln" / "kiln.db")
-    stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(), worker_args=["--pool", "solo"],
+    stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(), pool="solo",
                           overrides={"KILN_AGENT_HEARTBEAT_S": "0.5", **(overrides or {})},
                           **options)
     try:

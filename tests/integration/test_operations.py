@@ -113,7 +113,7 @@ def test_cancel_revokes_the_task_on_a_prefork_worker(request, tmp_path, monkeypa
         redis.Redis.from_url(url).flushdb()
         overrides["KILN_BROKER_URL"] = url
     stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(), overrides=overrides,
-                          worker_args=["--pool", "prefork", "--concurrency", "1"])
+                          concurrency=1)
     try:
         stack.start()
         running = RunningStack(stack, broker)

@@ -63,9 +63,9 @@ def fault_stack(request, tmp_path: Path, monkeypatch, postgres_url: str, s3_endp
         "KILN_JOB_SWEEP_S": "0.25",
         **(marker.args[0] if marker else {}),
     }
-    pool = request.node.get_closest_marker("worker_args")
+    workers = request.node.get_closest_marker("stack_workers")
     stack = EmbeddedStack(home=tmp_path / "kiln", port=free_port(), overrides=overrides,
-                          worker_args=pool.args[0] if pool else ["--pool", "solo"])
+                          **(workers.kwargs if workers else {"pool": "solo"}))
     running = None
     try:
         stack.start()
@@ -114,7 +114,7 @@ def test_a_worker_restarted_under_the_same_name_after_sigkill_finishes_the_job(f
     proc.wait(10)
     fault_stack.stack.processes.remove(proc)
     # The same name at once: its heartbeats must not hide the dead instance's job.
-    fault_stack.stack.add_worker("embedded-0", "--pool", "solo")
+    fault_stack.stack.add_worker("embedded-0", pool="solo")
     done = fault_stack.client.wait_job(job.id, timeout_s=180)
     _report("same-name worker restart after SIGKILL (kill → succeeded)",
             time.monotonic() - killed)
@@ -251,7 +251,7 @@ def test_an_agent_recovers_on_its_own_when_its_engine_blob_is_deleted(fault_stac
         agent.kill()
 
 
-@pytest.mark.worker_args(["--concurrency", "1"])  # prefork: Celery enforces time limits
+@pytest.mark.stack_workers(pool="prefork", concurrency=1)  # prefork: Celery enforces time limits
 @pytest.mark.stack_env({"KILN_JOB_TIME_MARGIN_S": "1", "KILN_PUBLISH_RETRY_BUDGET_S": "0"})
 def test_a_job_past_its_time_limit_fails_timed_out_and_the_worker_keeps_serving(fault_stack):
     slow = fault_stack.client.upload_model(_slow_model(2).SerializeToString(), name="slow")
@@ -268,7 +268,7 @@ def test_a_job_past_its_time_limit_fails_timed_out_and_the_worker_keeps_serving(
     assert fault_stack.client.wait_job(next_job.id, timeout_s=180).status is JobStatus.SUCCEEDED
 
 
-@pytest.mark.worker_args(["--concurrency", "1"])  # prefork: a pool child to kill
+@pytest.mark.stack_workers(pool="prefork", concurrency=1)  # prefork: a pool child to kill
 @pytest.mark.stack_env({"KILN_MAX_JOB_ATTEMPTS": "2"})
 def test_a_pool_child_killed_at_every_attempt_ends_worker_lost_and_its_workdir_goes(fault_stack):
     import psutil

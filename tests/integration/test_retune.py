@@ -81,7 +81,7 @@ def test_new_chip_variant_gets_fallback_then_its_own_engine(stack, tmp_path):
         thread = threading.Thread(target=hammer)
         thread.start()
         try:
-            stack.add_worker("worker-variant", "--pool", "solo", "--fingerprint-file", str(fp_file))
+            stack.add_worker("worker-variant", pool="solo", fingerprint_file=str(fp_file))
             deadline = time.monotonic() + 120
             while new.models()["svc"]["tier"] != "exact":
                 assert time.monotonic() < deadline, new.models()

@@ -81,8 +81,8 @@ def test_a_node_of_another_context_gets_its_own_tuning_from_a_worker_of_it(stack
         assert {k for k in jobs if "-t-" in k} == {context}, sorted(jobs)
         assert jobs[context].status is JobStatus.WAITING_FOR_HARDWARE
 
-        worker = stack.add_worker("worker-wide", "--pool", "solo",
-                                  "--fingerprint-file", str(files["wide"]))
+        worker = stack.add_worker("worker-wide", pool="solo",
+                                  fingerprint_file=files["wide"])
         mine = wait_tier(node_wide, "exact", 480)
         assert mine["artifact_id"] != plain["artifact_id"]
         jobs = {j.fingerprint_key: j for j in client.list_jobs(model_id=model_id)}

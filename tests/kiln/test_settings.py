@@ -161,6 +161,28 @@ def test_a_worker_is_started_with_none_of_the_control_planes_or_an_agents_secret
                                           "KILN_WORKER_API_URL", "KILN_LOG_LEVEL")}
 
 
+
+def test_a_stacks_worker_is_the_sides_entry_point_with_its_pool_and_hardware(
+        tmp_path: Path) -> None:
+    """The stack starts a worker as ``python -m compiler_worker worker`` with its name and pool
+    on the command line and its declared hardware in the environment, as ``kiln worker`` would;
+    a pool the worker does not have is refused before anything starts."""
+    from kiln.stack import EmbeddedStack
+
+    stack = EmbeddedStack(home=tmp_path, port=1, pool="solo")
+    stack._env = {"PATH": "/usr/bin", "KILN_SECRET_KEY": "s"}
+    stack.worker_token = "w"
+    argv, env = stack._worker_command("second", pool="prefork", concurrency=2,
+                                      fingerprint_file="fp.json")
+    assert argv[1:] == ["-m", "compiler_worker", "worker", "--name", "second",
+                        "--pool", "prefork", "--concurrency", "2"]
+    assert env["KILN_FINGERPRINT_FILE"] == str(Path("fp.json").resolve())
+    assert env["KILN_WORKER_TOKEN"] == "w" and "KILN_SECRET_KEY" not in env
+    argv, env = stack._worker_command("third", pool="solo")
+    assert argv[-2:] == ["--pool", "solo"] and "KILN_FINGERPRINT_FILE" not in env
+    with pytest.raises(ValueError, match="prefork, solo; got 'threads'"):
+        stack._worker_command("fourth", pool="threads")
+
 def test_several_api_processes_recheck_desired_state_ten_times_a_second(tmp_path: Path) -> None:
     """A deployment made through one API process reaches the long-polls another holds through
     the re-check: with several processes it looks every 0.1 s unless told otherwise."""

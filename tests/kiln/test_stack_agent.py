@@ -98,7 +98,7 @@ def test_the_local_agent_pulls_and_serves_its_deployment_with_its_agent_token(
     from kiln.stack import AGENT_NAME, EmbeddedStack
 
     stack = EmbeddedStack(home=tmp_path / "home", port=free_port(), agent_port=free_port(),
-                          agent_labels="site=a", worker_args=["--pool", "solo"],
+                          agent_labels="site=a", pool="solo",
                           overrides={"KILN_AGENT_HEARTBEAT_S": "0.5"})
     try:
         stack.start()
