@@ -33,8 +33,8 @@ from celery.exceptions import SoftTimeLimitExceeded
 from compiler_worker.config import WorkerSettings
 from compiler_worker.control import BuildClient
 from compiler_worker.cross import cross_targets
-from compiler_worker.pipeline import BuildPlan, CompileResult, plan_build
-from compiler_worker.sandbox import CustomOpsFound, Sandbox, limits_from
+from compiler_worker.pipeline import BuildPlan, CompileResult, CustomOpsFound, plan_build
+from compiler_worker.sandbox import Sandbox, limits_from
 from runtime_agent.fingerprint import resolve_fingerprint
 from schemas.builds import BuildClaim, BuildPublished, ClaimedJob
 from schemas.errors import (

@@ -73,6 +73,7 @@ __all__ = [
     "PLUGINS_DIRNAME",
     "BuildPlan",
     "CompileResult",
+    "CustomOpsFound",
     "StageCallback",
     "artifact_id_for",
     "compile_model",
@@ -83,6 +84,16 @@ __all__ = [
     "runs_here",
     "write_artifact_dir",
 ]
+
+
+class CustomOpsFound(Exception):
+    """The model uses the custom ops ``ops`` (``domain::OpType``) and ``compile_model`` was
+    given ``plugins=None``: it built nothing. The caller looks up the plugins that provide
+    them and compiles again with those."""
+
+    def __init__(self, ops: set[str]) -> None:
+        super().__init__(f"the model uses custom ops: {', '.join(sorted(ops))}")
+        self.ops = ops
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +146,7 @@ def compile_model(
     workdir: Path,
     on_stage: StageCallback | None = None,
     disabled_passes: frozenset[str] = frozenset(),
-    plugins: Sequence[tuple[PluginRef, Path]] = (),
+    plugins: Sequence[tuple[PluginRef, Path]] | None = (),
     plan: BuildPlan | None = None,
     samples: Mapping[str, np.ndarray] | None = None,
     calibration: Mapping[str, np.ndarray] | None = None,
@@ -147,19 +158,23 @@ def compile_model(
     ``fingerprint`` is the build host's; the caller makes sure it describes this machine.
     ``plan``: the job's ``plan_build`` (computed here when absent). ``plugins``: (ref, bundle
     archive) of the plugins that may provide the model's custom ops (those that do are
-    recorded in the manifest; others are ignored). ``samples`` / ``calibration``: the arrays
-    of the datasets ``options.samples`` / ``options.calibration`` name (sample ``i`` of input
-    ``x`` is ``samples["x"][i]``); without samples, inputs are generated to fit the graph.
+    recorded in the manifest; others are ignored); ``None``: none were looked up, and a model
+    that uses custom ops raises ``CustomOpsFound`` once they are known, before any build (a
+    worker fetches plugins only for the models that need them, and parses the model once).
+    ``samples`` / ``calibration``: the arrays of the datasets ``options.samples`` /
+    ``options.calibration`` name (sample ``i`` of input ``x`` is ``samples["x"][i]``);
+    without samples, inputs are generated to fit the graph.
     ``reuse``: an earlier tuning record for the same cache key (only its winner is built).
     ``benchmark_lock``: the host-wide lock file every timing waits for (default: the host's,
     ``compiler_worker.benchmark.default_lock_path``).
 
     Raises ``InvalidModel``, ``ModelCheckFailed``, ``UnsupportedOpset``, ``InvalidOptions``,
     ``BackendUnavailable``, ``UnknownOperator``, ``PluginError`` (``NoImplementation``,
-    ``AbiMismatch``, ``ShapeFunctionError``), ``IntegrityError`` (a bundle that does not match
-    its ref), ``CompileError``, ``VerificationFailed``, ``AccuracyGateFailed`` or
-    ``NoViableCandidate``; on success the blobs lie in ``workdir`` named as in an artifact
-    directory, and the returned manifest (with the tuning table) is complete but unsigned.
+    ``AbiMismatch``, ``ShapeFunctionError``), ``CustomOpsFound``, ``IntegrityError`` (a bundle
+    that does not match its ref), ``CompileError``, ``VerificationFailed``,
+    ``AccuracyGateFailed`` or ``NoViableCandidate``; on success the blobs lie in ``workdir``
+    named as in an artifact directory, and the returned manifest (with the tuning table) is
+    complete but unsigned.
     """
     before = set(sys.modules)
     try:
@@ -209,6 +224,16 @@ def dataset_feeds(arrays: Mapping[str, np.ndarray], specs: Sequence[TensorSpec],
     return feeds
 
 
+def _given(plugins: Sequence[tuple[PluginRef, Path]] | None,
+           ops: set[str]) -> Sequence[tuple[PluginRef, Path]]:
+    """``plugins``, or ``CustomOpsFound`` when none were looked up and the model uses ``ops``."""
+    if plugins is not None:
+        return plugins
+    if ops:
+        raise CustomOpsFound(set(ops))
+    return ()
+
+
 def _compile(
     model_bytes: bytes,
     options: CompileOptions,
@@ -217,7 +242,7 @@ def _compile(
     workdir: Path,
     on_stage: StageCallback | None,
     disabled_passes: frozenset[str],
-    plugins: Sequence[tuple[PluginRef, Path]],
+    plugins: Sequence[tuple[PluginRef, Path]] | None,
     plan: BuildPlan | None,
     samples: Mapping[str, np.ndarray] | None,
     calibration: Mapping[str, np.ndarray] | None,
@@ -250,7 +275,7 @@ def _compile(
     submitted = load_model(materialize_model(model_bytes, fresh_dir(workdir / "model")))
     model_ops = custom_ops(submitted)
     used = prepare_plugins(
-        model_ops, plugins, backend,
+        model_ops, _given(plugins, model_ops), backend,
         {o.domain: o.version for o in submitted.opset_import}, workdir)
     if model_ops:
         submitted = fill_attribute_defaults(submitted, used.registry)
@@ -313,7 +338,7 @@ def _compile_program(
     stages: _Stages,
     backend: Backend,
     disabled: frozenset[str],
-    plugins: Sequence[tuple[PluginRef, Path]],
+    plugins: Sequence[tuple[PluginRef, Path]] | None,
     plan: BuildPlan | None,
     samples: Mapping[str, np.ndarray] | None,
     calibration: Mapping[str, np.ndarray] | None,
@@ -333,7 +358,8 @@ def _compile_program(
     # from their plugins) before torch.export.load, which needs them to rebuild the graph.
     program_ops = set(inspect_export_archive(submitted_path).custom_ops)
     backend.check_program(program_ops)
-    used = prepare_plugins(program_ops, plugins, backend, {}, workdir, rename=torch_op_name)
+    used = prepare_plugins(program_ops, _given(plugins, program_ops), backend, {}, workdir,
+                           rename=torch_op_name)
     used.program_ops = set(program_ops)
     if used.adapter is not None:
         used.adapter.apply(None)

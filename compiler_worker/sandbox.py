@@ -8,11 +8,12 @@ job's scratch folder, hands the child a JSON request, and checks what comes back
 that must describe the planned artifact, and blob files that must be regular files inside the
 scratch folder (the control plane re-hashes them as they are uploaded).
 
-One child per step: ``custom_ops`` (imports onnx only) and ``compile_model`` (one child for
-the whole tuning run, not one per candidate); each runs ``python -m
-compiler_worker.sandbox_child``, whose table names the two steps. A child that breaches a
-limit fails the job with ``resource_limit`` or ``timed_out`` naming the stage; the worker
-goes on serving.
+One child per build (``compile_model``), for the whole tuning run, not one per candidate; it
+runs ``python -m compiler_worker.sandbox_child``, whose table names the step. Given no
+plugins, a child whose model uses custom ops answers them and builds nothing
+(``CustomOpsFound``); the worker builds again with the plugins that provide them. A child
+that breaches a limit fails the job with ``resource_limit`` or ``timed_out`` naming the
+stage; the worker goes on serving.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from artifact_store.sandbox import Limits, readable_in_child, run_sandboxed
 from compiler_worker import sandbox_child
 from compiler_worker.benchmark import ensure_lock_file
 from compiler_worker.config import WorkerSettings
-from compiler_worker.pipeline import BuildPlan, CompileResult, StageCallback
+from compiler_worker.pipeline import BuildPlan, CompileResult, CustomOpsFound, StageCallback
 from runtime_agent.confine import write_home_files
 from schemas.errors import CompileError, IntegrityError
 from schemas.fingerprint import HardwareFingerprint
@@ -36,7 +37,7 @@ from schemas.options import CompileOptions
 from schemas.plugins import PluginRef
 from schemas.tuning import TuningTable
 
-__all__ = ["CustomOpsFound", "Sandbox", "limits_from"]
+__all__ = ["Sandbox", "limits_from"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +56,6 @@ def limits_from(settings: WorkerSettings) -> Limits:
         landlock=settings.sandbox_landlock,
         network_isolation=settings.sandbox_network_isolation,
     )
-
-
-class CustomOpsFound(Exception):
-    """The model uses ``ops`` (``domain::OpType``), and the build was given no plugins."""
-
-    def __init__(self, ops: set[str]) -> None:
-        super().__init__(f"the model uses custom ops: {', '.join(sorted(ops))}")
-        self.ops = ops
 
 
 class Sandbox:

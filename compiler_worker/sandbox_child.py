@@ -14,19 +14,7 @@ from typing import Any
 
 from artifact_store.sandbox.child import Emit, Step, serve_child
 
-__all__ = ["STEPS", "compile_child", "model_custom_ops"]
-
-
-def model_custom_ops(path: Path) -> list[str]:
-    """The custom ops (``domain::OpType``) the model at ``path`` uses."""
-    from schemas.onnx_model import custom_ops, load_model_bytes
-    from schemas.torch_export import inspect_export_archive, is_zip
-
-    with path.open("rb") as handle:
-        if is_zip(handle.read(4)):  # a torch.export program: its ops outside torch's own
-            return sorted(inspect_export_archive(path).custom_ops)
-
-    return sorted(custom_ops(load_model_bytes(path.read_bytes())))
+__all__ = ["STEPS", "compile_child"]
 
 
 def compile_child(args: dict[str, Any], emit: Emit) -> dict[str, Any]:
@@ -36,8 +24,8 @@ def compile_child(args: dict[str, Any], emit: Emit) -> dict[str, Any]:
     Given no plugins, a model that uses custom ops is not built: the answer is
     ``{"custom_ops": [...]}``, and the worker asks the control plane for the plugins that
     provide them and starts the build again with them. Most models use none, and their
-    build needs no child of its own to find that out first."""
-    from compiler_worker.pipeline import compile_model, plan_build
+    build needs no child of its own to find that out first; the model is parsed once."""
+    from compiler_worker.pipeline import CustomOpsFound, compile_model, plan_build
     from schemas._canonical import sha256_hex
     from schemas.datasets import load_npz
     from schemas.errors import CompileError
@@ -53,10 +41,6 @@ def compile_child(args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         data = Path(name).read_bytes()
         return load_npz(data, max_bytes=len(data))
 
-    if not args["plugins"]:
-        ops = model_custom_ops(Path(args["model"]))
-        if ops:
-            return {"custom_ops": ops}
     model_bytes = Path(args["model"]).read_bytes()
     options = CompileOptions.model_validate(args["options"])
     fingerprint = HardwareFingerprint.model_validate(args["fingerprint"])
@@ -70,14 +54,17 @@ def compile_child(args: dict[str, Any], emit: Emit) -> dict[str, Any]:
         raise CompileError(
             f"the build plans artifact {plan.artifact_id} with toolchain {plan.toolchain!r}; "
             f"the worker planned {args['artifact_id']} with {args['toolchain']!r}")
-    result = compile_model(
-        model_bytes, options, fingerprint=fingerprint, workdir=Path.cwd(),
-        on_stage=lambda stage, progress: emit({"stage": stage.value, "progress": progress}),
-        disabled_passes=disabled, plugins=plugins, plan=plan,
-        samples=dataset(args["samples"]), calibration=dataset(args["calibration"]),
-        reuse=None if args["reuse"] is None else TuningTable.model_validate(args["reuse"]),
-        benchmark_lock=Path(args["benchmark_lock"]) if args.get("benchmark_lock") else None,
-    )
+    try:
+        result = compile_model(
+            model_bytes, options, fingerprint=fingerprint, workdir=Path.cwd(),
+            on_stage=lambda stage, progress: emit({"stage": stage.value, "progress": progress}),
+            disabled_passes=disabled, plugins=plugins or None, plan=plan,
+            samples=dataset(args["samples"]), calibration=dataset(args["calibration"]),
+            reuse=None if args["reuse"] is None else TuningTable.model_validate(args["reuse"]),
+            benchmark_lock=Path(args["benchmark_lock"]) if args.get("benchmark_lock") else None,
+        )
+    except CustomOpsFound as found:
+        return {"custom_ops": sorted(found.ops)}
     cwd = Path.cwd().resolve()
     return {"manifest": result.manifest.model_dump(mode="json"),
             "blob_paths": {name: str(Path(path).resolve().relative_to(cwd))
