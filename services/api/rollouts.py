@@ -193,15 +193,20 @@ class Rollouts:
         return len(ids)
 
     def report(self, rollout_id: str, report: RolloutReport) -> Rollout:
+        # Recorded and judged in one transaction, the rollout locked: a failing gate halts
+        # now, not at the next tick, and no other report of the same agent (its next window,
+        # landing a moment later) can replace this one before it is judged.
         with session_scope(self.sessions) as session:
-            rollout = repo.get_rollout(session, rollout_id=rollout_id)
+            rollout = repo.get_rollout(session, rollout_id=rollout_id, lock=True)
             if not rollout.state.active:
                 raise Conflict(f"rollout {rollout_id} is {rollout.state.value}; it takes no "
                                "reports", rollout=rollout_id, state=rollout.state.value)
             repo.record_rollout_report(session, rollout_id=rollout_id, report=report)
-            session.commit()
-        # A failing gate halts now, not at the next tick.
-        return self.advance(rollout_id)
+            if step(session, rollout):
+                self._changed(session, rollout)
+            else:
+                session.commit()
+            return rollout
 
     def act(self, rollout_id: str, action: str) -> Rollout:
         """``pause``, ``resume`` or ``abort``; Conflict when the rollout's state forbids it."""
