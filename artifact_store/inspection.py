@@ -29,7 +29,8 @@ __all__ = ["STEPS", "canonical_upload", "check_upload"]
 
 def _preload() -> None:
     """Import the parsers before reading the upload, so that an upload which exhausts the
-    address space fails in the parser (``resource_limit``), never halfway through an import."""
+    address space fails in the parser (``resource_limit``), never halfway through an import.
+    The fork server imports them once for all children (``serve_child``'s ``preload``)."""
     import numpy  # noqa: F401
     import onnx  # noqa: F401
 
@@ -125,4 +126,4 @@ STEPS: dict[str, Step] = {"model": model_child, "dataset": dataset_child,
                           "bundle": bundle_child}
 
 if __name__ == "__main__":
-    serve_child(STEPS)
+    serve_child(STEPS, preload=_preload)

@@ -55,6 +55,7 @@ def limits_from(settings: WorkerSettings) -> Limits:
         wall_s=settings.sandbox_timeout_s,
         landlock=settings.sandbox_landlock,
         network_isolation=settings.sandbox_network_isolation,
+        fork_server=settings.sandbox_fork_server,
     )
 
 

@@ -71,8 +71,20 @@ def compile_child(args: dict[str, Any], emit: Emit) -> dict[str, Any]:
                            for name, path in result.blob_paths.items()}}
 
 
+def _preload() -> None:
+    """What every build imports, for the fork server to import once (``serve_child``): the
+    pipeline and the schemas of its request. Not the runtimes: onnxruntime and OpenVINO
+    start threads as they load, and a server with threads cannot fork; torch is needed by
+    few builds."""
+    import compiler_worker.pipeline  # noqa: F401
+    import schemas.datasets
+    import schemas.options
+    import schemas.plugins
+    import schemas.tuning  # noqa: F401
+
+
 #: The steps ``compiler_worker.sandbox`` asks of this entry point, by name.
 STEPS: dict[str, Step] = {"compile": compile_child}
 
 if __name__ == "__main__":
-    serve_child(STEPS)
+    serve_child(STEPS, preload=_preload)

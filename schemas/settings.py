@@ -48,6 +48,10 @@ class SharedSettings(BaseSettings):
     #: Give sandboxed children a network namespace of their own (no network) where user
     #: namespaces are allowed.
     sandbox_network_isolation: bool = True
+    #: Fork sandboxed children from a fork server per entry point, which imported their
+    #: libraries once (a fresh interpreter of its own, holding no secret), instead of
+    #: starting a fresh interpreter for each; their confinement is the same.
+    sandbox_fork_server: bool = True
 
     @property
     def broker_folder(self) -> Path:

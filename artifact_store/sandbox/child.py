@@ -12,6 +12,11 @@ Nothing is imported by a name the request carries: a step not in the table is re
 ``UnknownStep``. Keep what the entry module imports at its top small (the standard library,
 ``schemas``): it is imported before the child confines itself; whatever parses or builds the
 input is imported inside the step's function, after.
+
+Run as ``python -m <module> --fork-server``, the entry point is its children's fork server
+(``artifact_store.sandbox.forkserver``): it imports ``preload`` (the libraries its steps
+import, never an input) once, and each child is a fork of it that confines itself and
+serves one request as above.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import asdict
 from typing import Any, NoReturn
 
 from artifact_store.sandbox.confine import confine
+from artifact_store.sandbox.forkserver import FORK_SERVER_FLAG, serve_forks
 from artifact_store.sandbox.limits import ALLOCATION_FAILED
 from schemas.errors import ErrorBody, ErrorCode, KilnError
 
@@ -45,9 +51,14 @@ class UnknownStep(KilnError):
     code = ErrorCode.INTERNAL
 
 
-def serve_child(steps: Mapping[str, Step]) -> NoReturn:
+def serve_child(steps: Mapping[str, Step],
+                preload: Callable[[], None] | None = None) -> NoReturn:
     """The whole life of a sandboxed child: read its request from stdin, confine itself, run
-    the requested step of ``steps`` and answer on its answer pipe; then exit."""
+    the requested step of ``steps`` and answer on its answer pipe; then exit. With
+    ``--fork-server`` on the command line, be the fork server of such children instead,
+    ``preload`` imported first (``forkserver.serve_forks``)."""
+    if sys.argv[1:] == [FORK_SERVER_FLAG]:
+        serve_forks(lambda: _serve(steps), preload)
     sys.exit(_serve(steps))
 
 

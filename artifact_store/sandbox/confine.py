@@ -414,9 +414,12 @@ def _landlock(request: Mapping[str, Any], report: SandboxReport,
                                    f"signalling processes of its user")
 
 
-def _die_with_parent(parent: int) -> None:
+def _die_with_parent(parent: int | None) -> None:
     """SIGKILL when the process that started this child dies (a worker killed mid-build, a
-    revoked task): no orphan outlives the deadline its parent was keeping."""
+    revoked task): no orphan outlives the deadline its parent was keeping. ``None``: a
+    forked child, which did so as it was forked (its parent is its waiter)."""
+    if parent is None:
+        return
     if sys.platform == "linux":
         _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # it died before the line above

@@ -67,6 +67,10 @@ class Limits:
     #: Refuse ``socket(AF_UNIX, ...)`` in the child (seccomp): no connection to a pathname
     #: Unix socket anywhere (a database's, a daemon's). Pairs (``socketpair``) still work.
     unix_socket_isolation: bool = True
+    #: Fork the child from its entry point's fork server (``forkserver``), which imported
+    #: its libraries once, instead of starting a fresh interpreter; the confinement is the
+    #: same. Where the server cannot serve, children start as fresh interpreters.
+    fork_server: bool = True
 
 
 @dataclass

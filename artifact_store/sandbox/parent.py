@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from artifact_store.sandbox.cgroup import pids_cgroup, remove_cgroup
+from artifact_store.sandbox.forkserver import ANSWER_FD, Forked, fork_server
 from artifact_store.sandbox.limits import (
     ALLOCATION_FAILED,
     TMP_NOTE,
@@ -88,73 +89,116 @@ def run_sandboxed(
     scratch.mkdir(parents=True, exist_ok=True)
     roots, listable, files = readable_roots(readable)
     cgroup, why_not = pids_cgroup(limits.processes)
-    answer_r, answer_w = os.pipe()
     request = {
         "entry": entry, "step": step, "args": dict(args), "scratch": str(scratch),
-        "answer_fd": answer_w, "limits": asdict(limits), "read_roots": roots,
-        "list_roots": listable, "read_files": files, "devices": accelerator_devices(),
-        "parent": os.getpid(), "pids_cgroup": None if cgroup is None else str(cgroup),
+        "limits": asdict(limits), "read_roots": roots, "list_roots": listable,
+        "read_files": files, "devices": accelerator_devices(),
+        "pids_cgroup": None if cgroup is None else str(cgroup),
         "pids_cgroup_refused": why_not,
     }
-    command = [sys.executable, "-s", "-B", "-P", "-m", entry]
     started = time.monotonic()
     try:
-        child = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            cwd=scratch, env=child_environment(scratch), pass_fds=(answer_w,),
-            start_new_session=True,
-        )
+        child = _start(entry, scratch, limits, request)
     except BaseException:
         remove_cgroup(cgroup)
         raise
-    finally:
-        os.close(answer_w)
     state = _Exchange(stage=stage, on_event=on_event)
     try:
-        with contextlib.suppress(BrokenPipeError):
-            child.stdin.write(json.dumps(request).encode())
-            child.stdin.close()
+        child.send(json.dumps(request).encode())
         deadline = None if limits.wall_s is None else started + limits.wall_s
-        timed_out = state.pump(child.stdout.fileno(), answer_r, deadline,
-                               lambda: _has_exited(child.pid))
+        timed_out = state.pump(child.output, child.answer, deadline, child.exited)
         if not timed_out and not state.overflow:
             # Its pipes are closed (or it exited while something it started holds them):
             # it gets what is left of its time to exit.
-            while not _has_exited(child.pid):
+            while not child.exited():
                 if deadline is not None and time.monotonic() >= deadline:
                     timed_out = True
                     break
                 time.sleep(0.05)
-        # At the deadline, on an oversized answer, and whatever it left running. Before the
-        # child is reaped: until then its pid, hence its group's id, cannot be reused.
-        _kill_group(child)
+        # At the deadline, on an oversized answer, and whatever it left running.
         returncode = child.wait()
     except BaseException:
-        _kill_group(child)
         child.wait()
         raise
     finally:
-        os.close(answer_r)
-        if child.stdout is not None:
-            child.stdout.close()
+        child.close()
         remove_cgroup(cgroup)
     elapsed = time.monotonic() - started
-    logger.info("sandboxed %s:%s (%s) ended with %s after %.2fs", entry, step, state.stage,
-                returncode, elapsed)
+    logger.info("sandboxed %s:%s (%s, %s) ended with %s after %.2fs", entry, step,
+                state.stage, child.how, returncode, elapsed)
     return state.outcome(returncode, timed_out, limits, elapsed)
 
 
-def _has_exited(pid: int) -> bool:
-    """Whether the child has exited, leaving it unreaped (``WNOWAIT``)."""
+def _start(entry: str, scratch: Path, limits: Limits,
+           request: dict[str, Any]) -> _Started | Forked:
+    """The child, forked from the entry point's fork server where ``limits.fork_server`` and
+    the server serves (started again once if it has died), else a fresh interpreter.
+    Completes ``request`` with where the child answers and who its parent is."""
+    env = child_environment(scratch)
+    server = fork_server(entry) if limits.fork_server else None
+    for attempt in range(2 if server is not None else 0):
+        try:
+            forked = server.spawn(scratch, env)
+        except OSError as exc:
+            logger.warning("sandbox: the fork server of %s is gone (%s)%s", entry, exc,
+                           "; starting it again" if attempt == 0 else "")
+            server = fork_server(entry, restart=True) if attempt == 0 else None
+            if server is None:
+                break
+            continue
+        # The waiter is its parent: it set its own death signal as it was forked.
+        request.update(answer_fd=ANSWER_FD, parent=None)
+        return forked
+    answer_r, answer_w = os.pipe()
+    request.update(answer_fd=answer_w, parent=os.getpid())
     try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
+        popen = subprocess.Popen(
+            [sys.executable, "-s", "-B", "-P", "-m", entry], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=scratch, env=env,
+            pass_fds=(answer_w,), start_new_session=True)
+    except BaseException:
+        os.close(answer_r)
+        raise
+    finally:
+        os.close(answer_w)
+    return _Started(popen, answer_r)
 
 
-def _kill_group(child: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.pid, signal.SIGKILL)
+class _Started:
+    """A child started as a fresh interpreter (``python -m <entry>``)."""
+
+    how = "started"
+
+    def __init__(self, popen: subprocess.Popen, answer: int) -> None:
+        self.popen = popen
+        self.output = popen.stdout.fileno()
+        self.answer = answer
+
+    def send(self, request: bytes) -> None:
+        with contextlib.suppress(BrokenPipeError):
+            self.popen.stdin.write(request)
+            self.popen.stdin.close()
+
+    def exited(self) -> bool:
+        """Whether it has exited, leaving it unreaped (``WNOWAIT``)."""
+        try:
+            return os.waitid(os.P_PID, self.popen.pid,
+                             os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
+
+    def wait(self) -> int:
+        """Kill what is left of its process group, then reap it: until then its id, hence
+        its group's, cannot be reused."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        return self.popen.wait()
+
+    def close(self) -> None:
+        os.close(self.answer)
+        self.popen.stdout.close()
+        with contextlib.suppress(BrokenPipeError):
+            self.popen.stdin.close()
 
 
 class _Exchange:
@@ -275,7 +319,8 @@ class _Exchange:
             _WARNED.add(what)
             logger.log(level, "sandbox (%s): %s", self.stage, what)
 
-    def outcome(self, returncode: int, timed_out: bool, limits: Limits, elapsed: float) -> Any:
+    def outcome(self, returncode: int | None, timed_out: bool, limits: Limits,
+                elapsed: float) -> Any:
         details = {"stage": self.stage}
         if self.overflow:
             raise SandboxCrashed(
@@ -285,6 +330,11 @@ class _Exchange:
             raise TimedOut(
                 f"the step {self.stage!r} ran past its wall-clock limit of {limits.wall_s:g}s "
                 f"and was stopped", limit="wall_clock", limit_s=limits.wall_s, **details)
+        if returncode is None:
+            raise SandboxCrashed(
+                f"the sandboxed step {self.stage!r} ended, and the fork server's waiter that "
+                f"watched it ended without its exit status; its last output: "
+                f"{self._last_lines()}", **details)
         if self.result is not None and returncode == 0:
             if "error" in self.result:
                 try:

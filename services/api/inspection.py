@@ -54,6 +54,7 @@ def inspection_limits(settings: KilnSettings) -> Limits:
         wall_s=settings.inspect_timeout_s,
         landlock=settings.sandbox_landlock,
         network_isolation=settings.sandbox_network_isolation,
+        fork_server=settings.sandbox_fork_server,
     )
 
 

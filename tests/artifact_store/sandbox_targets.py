@@ -166,10 +166,29 @@ def setsid_grandchild(args: dict[str, Any], emit) -> str:
     return "started"
 
 
+#: What ``remember`` left in this process (a forked child's copy of the server's memory).
+_REMEMBERED: Any = None
+#: The pid of the fork server that preloaded this module (``None`` in a started child).
+_PRELOADED_IN: int | None = None
+
+
+def _preload() -> None:
+    global _PRELOADED_IN
+    _PRELOADED_IN = os.getpid()
+
+
+def remember(args: dict[str, Any], emit) -> dict[str, Any]:
+    """Keep ``args["value"]`` in memory; answer what was there before, and the fork server
+    this child was forked from."""
+    global _REMEMBERED
+    before, _REMEMBERED = _REMEMBERED, args["value"]
+    return {"before": before, "server": _PRELOADED_IN}
+
+
 STEPS = {step.__name__: step for step in (
     probe, allocate, memory_rlimits, write_proc, use_tmp, spin, sleep_with_grandchild,
     write_file, abort, refuse, echo, close_and_sleep, flood_answer, flood_log, sleep_forever,
-    unix_connect, read_proc, fork_bomb, setsid_grandchild)}
+    unix_connect, read_proc, fork_bomb, setsid_grandchild, remember)}
 
 if __name__ == "__main__":
-    serve_child(STEPS)
+    serve_child(STEPS, preload=_preload)
