@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from artifact_store.sandbox import Limits, child_environment, run_sandboxed
-from artifact_store.sandbox.forkserver import FORK_SERVER_FLAG, fork_server
 from schemas.errors import (
     ErrorCode,
     InvalidRequest,
@@ -49,12 +48,12 @@ def run(target: str, args: dict, scratch: Path, **limits):
 
 #: Both ways a child comes to be: forked from its entry point's fork server (the default), or
 #: started as a fresh interpreter (where the server cannot serve, or it is turned off).
-HOW = pytest.mark.parametrize("fork_server", [True, False], ids=["forked", "started"])
+HOW = pytest.mark.parametrize("forked", [True, False], ids=["forked", "started"])
 
 
 @HOW
 def test_the_child_gets_no_credentials_no_files_no_network_and_cannot_touch_its_parent(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fork_server: bool):
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forked: bool):
     for name, value in {"KILN_SECRET_KEY": SECRET, "AWS_SECRET_ACCESS_KEY": SECRET,
                         "KILN_DATABASE_URL": f"postgresql://kiln:{SECRET}@db/kiln",
                         "KILN_SIGNING_KEY_PATH": str(tmp_path / "signing.key")}.items():
@@ -70,7 +69,7 @@ def test_the_child_gets_no_credentials_no_files_no_network_and_cannot_touch_its_
         got = run("probe", {"read": [str(secret), "/etc/shadow"],
                             "write": [str(tmp_path / "outside.txt"), "inside.txt"],
                             "port": listener.getsockname()[1]}, scratch,
-                  fork_server=fork_server)
+                  fork_server=forked)
         with pytest.raises(BlockingIOError):
             listener.accept()  # nobody connected
 
@@ -260,11 +259,11 @@ def gone_from(folder: Path, timeout_s: float = 5) -> list[int]:
 
 @HOW
 def test_the_wall_clock_limit_kills_the_child_and_what_it_started(tmp_path: Path,
-                                                                  fork_server: bool):
+                                                                  forked: bool):
     started = time.monotonic()
     with pytest.raises(TimedOut) as err:
         run("sleep_with_grandchild", {"pid_file": "grandchild.pid"}, tmp_path, wall_s=3,
-            fork_server=fork_server)
+            fork_server=forked)
     assert time.monotonic() - started < 10
     assert err.value.details["limit"] == "wall_clock"
     assert (tmp_path / "grandchild.pid").exists()
@@ -388,94 +387,6 @@ def test_older_landlock_abis_still_confine_writes_and_say_what_they_cannot(
     assert got["connect"].startswith("refused" if abi >= 4 else "ok"), got["connect"]
     assert ("cannot refuse TCP" in warnings) == (abi < 4)
     assert ("cannot stop the child signalling" in warnings) == (abi < 6)
-
-
-@HOW
-def test_the_child_dies_with_the_process_that_started_it(tmp_path: Path, fork_server: bool):
-    """A worker killed mid-build (SIGKILL, a revoked task) leaves no sandboxed child behind
-    (a forked one's waiter sees its kill pipe close), and no fork server."""
-    import subprocess
-    import sys
-
-    scratch = tmp_path / "s"
-    starter = subprocess.Popen([sys.executable, "-c", (
-        "from pathlib import Path; from artifact_store.sandbox import Limits, run_sandboxed; "
-        f"run_sandboxed('{TARGETS}', 'sleep_forever', {{}}, scratch=Path({str(scratch)!r}), "
-        f"limits=Limits(wall_s=600, fork_server={fork_server}), stage='test')")])
-    pid_file = scratch / "child.pid"
-    deadline = time.monotonic() + 60
-    while not pid_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert alive_in(scratch)
-    servers = [p for p in _children_of(starter.pid) if FORK_SERVER_FLAG in _cmdline(p)]
-    assert len(servers) == (1 if fork_server else 0), servers
-    starter.send_signal(signal.SIGKILL)
-    starter.wait()
-    assert not gone_from(scratch, timeout_s=10), "the child outlived its parent"
-    deadline = time.monotonic() + 10
-    while any(_running(p) for p in servers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in servers if _running(p)], "the fork server outlived its parent"
-
-
-def _children_of(pid: int) -> list[int]:
-    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-            for child in (task / "children").read_text().split()]
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-    except OSError:
-        return []
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def test_children_forked_from_one_server_share_nothing(tmp_path: Path,
-                                                       caplog: pytest.LogCaptureFixture):
-    """Each child is a fresh fork of the server, never a process that served an earlier
-    request: what one step leaves in memory the next never sees."""
-    caplog.set_level(logging.INFO, logger="artifact_store.sandbox")
-    first = run("remember", {"value": SECRET}, tmp_path / "a")
-    second = run("remember", {"value": "other"}, tmp_path / "b")
-    assert first["before"] is None and second["before"] is None, (first, second)
-    assert first["server"] == second["server"]  # both forked from the same server
-    assert caplog.text.count(f"sandboxed {TARGETS}:remember (test, forked)") == 2
-
-
-def test_a_fork_server_holds_no_secret_and_is_started_again_when_it_dies(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("KILN_SECRET_KEY", SECRET)
-    server = fork_server(TARGETS, restart=True)
-    assert server is not None
-    environ = Path(f"/proc/{server.process.pid}/environ").read_bytes()
-    assert SECRET.encode() not in environ and b"KILN_SECRET_KEY" not in environ
-    assert sorted(os.listdir(f"/proc/{server.process.pid}/fd")) == ["0", "1", "2", "3"]
-    assert run("remember", {"value": 1}, tmp_path / "a")["server"] == server.process.pid
-    server.process.kill()
-    server.process.wait()
-    again = run("remember", {"value": 2}, tmp_path / "b")
-    assert again["before"] is None and again["server"] != server.process.pid
-
-
-def test_an_entry_point_whose_imports_start_threads_gets_fresh_interpreters(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture):
-    """A server with a second thread cannot fork safely: it refuses, says why, and the
-    children start as fresh interpreters, still confined."""
-    caplog.set_level(logging.INFO, logger="artifact_store.sandbox")
-    entry = "tests.artifact_store.threaded_targets"
-    got = run_sandboxed(entry, "echo", {"n": 1}, scratch=tmp_path, limits=Limits(wall_s=60),
-                        stage="test")
-    assert got == {"n": 1}
-    assert "2 threads run after its imports" in caplog.text
-    assert f"sandboxed {entry}:echo (test, started)" in caplog.text
-    assert fork_server(entry) is None
 
 
 POSTGRES_SOCKET = Path("/var/run/postgresql/.s.PGSQL.5432")
