@@ -148,7 +148,7 @@ def main() -> None:
 
         bounds = Table(title=f"the process bounds' cost: a bare forked child, {args.repeats * 2} "
                              f"interleaved pairs (median \\[min–max])")
-        for column in ("limits", "wall", "the child's CPU"):
+        for column in ("limits", "wall", "CPU outside this process"):
             bounds.add_column(column)
         variants = {"all bounds (default)": Limits(),
                     "no PID namespace, pids cgroup or socket filter":

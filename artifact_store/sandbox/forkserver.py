@@ -217,11 +217,12 @@ class Forked:
             os.close(self.stdin)
             self.stdin = -1
 
-    def exited(self) -> bool:
-        """Whether the child has ended (its waiter wrote its code or is gone)."""
+    def exited(self, timeout_s: float = 0.0) -> bool:
+        """Whether the child has ended (its waiter wrote its code or is gone), waiting up to
+        ``timeout_s`` for it."""
         if self._closed or self._code.endswith(b"\n"):
             return True
-        ready, _, _ = select.select([self.status], [], [], 0)
+        ready, _, _ = select.select([self.status], [], [], timeout_s)
         if ready:
             self._read_status(block=False)
         return self._closed or self._code.endswith(b"\n")

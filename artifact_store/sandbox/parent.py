@@ -53,6 +53,9 @@ MAX_LOG_LINE = 4096
 MAX_RELAYED_BYTES = 4 << 20
 #: How often the parent looks whether a quiet child has exited, seconds.
 _POLL_S = 0.5
+#: How often it looks once the child has closed its pipes (a forked child's end is waited
+#: for on its status pipe, not polled).
+_EXIT_POLL_S = 0.05
 #: What this process has warned is not enforced.
 _WARNED: set[str] = set()
 #: A child entry point: a dotted module name, run as ``python -m <entry>``.
@@ -110,11 +113,10 @@ def run_sandboxed(
         if not timed_out and not state.overflow:
             # Its pipes are closed (or it exited while something it started holds them):
             # it gets what is left of its time to exit.
-            while not child.exited():
+            while not child.exited(_EXIT_POLL_S):
                 if deadline is not None and time.monotonic() >= deadline:
                     timed_out = True
                     break
-                time.sleep(0.05)
         # At the deadline, on an oversized answer, and whatever it left running.
         returncode = child.wait()
     except BaseException:
@@ -179,13 +181,18 @@ class _Started:
             self.popen.stdin.write(request)
             self.popen.stdin.close()
 
-    def exited(self) -> bool:
-        """Whether it has exited, leaving it unreaped (``WNOWAIT``)."""
-        try:
-            return os.waitid(os.P_PID, self.popen.pid,
-                             os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-        except ChildProcessError:
-            return True
+    def exited(self, timeout_s: float = 0.0) -> bool:
+        """Whether it has exited, leaving it unreaped (``WNOWAIT``); looked at again after
+        ``timeout_s`` (``waitid`` cannot wait with a timeout)."""
+        for wait in (0.0, timeout_s) if timeout_s else (0.0,):
+            time.sleep(wait)
+            try:
+                if os.waitid(os.P_PID, self.popen.pid,
+                             os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return True
+            except ChildProcessError:
+                return True
+        return False
 
     def wait(self) -> int:
         """Kill what is left of its process group, then reap it: until then its id, hence
