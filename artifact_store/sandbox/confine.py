@@ -414,7 +414,7 @@ def _landlock(request: Mapping[str, Any], report: SandboxReport,
                                    f"signalling processes of its user")
 
 
-def _die_with_parent(parent: int | None) -> None:
+def die_with_parent(parent: int | None) -> None:
     """SIGKILL when the process that started this child dies (a worker killed mid-build, a
     revoked task): no orphan outlives the deadline its parent was keeping. ``None``: a
     forked child, which did so as it was forked (its parent is its waiter)."""
@@ -432,7 +432,7 @@ def confine(request: Mapping[str, Any]) -> SandboxReport:
     never return."""
     limits = Limits(**request["limits"])
     report = SandboxReport()
-    _die_with_parent(request["parent"])
+    die_with_parent(request["parent"])
     cgroup_refused = _join_cgroup(request) if sys.platform == "linux" else None
     gpu = any(Path(device).name.startswith("nvidia") for device in request.get("devices", []))
     report.memory_rlimit = _apply_rlimits(limits, gpu=gpu)

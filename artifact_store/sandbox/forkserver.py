@@ -29,11 +29,11 @@ refuses to serve, and that entry point's children are started as fresh interpret
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,10 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from artifact_store.sandbox.confine import die_with_parent
 from artifact_store.sandbox.limits import child_environment
 
-__all__ = ["ANSWER_FD", "FORK_SERVER_FLAG", "ForkServer", "Forked", "fork_server",
-           "serve_forks"]
+__all__ = ["ANSWER_FD", "FORK_SERVER_FLAG", "ForkServer", "Forked", "fork_child",
+           "fork_server", "serve_forks"]
 
 logger = logging.getLogger("artifact_store.sandbox")
 
@@ -64,7 +65,6 @@ START_TIMEOUT_S = 120.0
 _RUN_FDS = 5
 #: Longest control message (a run's working folder and environment).
 _MAX_HEADER = 1 << 16
-_PR_SET_PDEATHSIG = 1
 
 
 # --- the server's side (in ``python -m <entry> --fork-server``) ------------------------------
@@ -155,7 +155,7 @@ def _become_child(waiter: int, stdin: int, output: int, answer: int,
     code = 1
     try:
         os.setsid()
-        _die_with(waiter)
+        die_with_parent(waiter)  # the waiter: it dies only once the child has ended
         os.dup2(stdin, 0)
         os.dup2(output, 1)
         os.dup2(output, 2)
@@ -175,14 +175,6 @@ def _become_child(waiter: int, stdin: int, output: int, answer: int,
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(code)
-
-
-def _die_with(parent: int) -> None:
-    """SIGKILL when the waiter dies (it dies only once the child has ended, or with the
-    server's host killed outright)."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 # --- the parent's side --------------------------------------------------------------------
@@ -224,7 +216,7 @@ class Forked:
             return True
         ready, _, _ = select.select([self.status], [], [], timeout_s)
         if ready:
-            self._read_status(block=False)
+            self._read_status()  # readable: returns at once
         return self._closed or self._code.endswith(b"\n")
 
     def kill(self) -> None:
@@ -238,21 +230,14 @@ class Forked:
         left of it; ``None`` when its waiter died without saying."""
         self.kill()
         while not self._closed:
-            self._read_status(block=True)
+            self._read_status()
         try:
             return int(self._code.decode().strip())
         except ValueError:
             return None
 
-    def _read_status(self, *, block: bool) -> None:
-        if not block:
-            os.set_blocking(self.status, False)
-        try:
-            data = os.read(self.status, 64)
-        except BlockingIOError:
-            return
-        finally:
-            os.set_blocking(self.status, True)
+    def _read_status(self) -> None:
+        data = os.read(self.status, 64)
         if data:
             self._code += data
         else:
@@ -276,7 +261,6 @@ class ForkServer:
 
     def __init__(self, entry: str) -> None:
         self.entry = entry
-        self.owner = os.getpid()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         home = Path(tempfile.mkdtemp(prefix="kiln-fork-server-"))
         try:
@@ -298,12 +282,7 @@ class ForkServer:
             self.close()
             raise ForkServerUnavailable(f"it did not say it was ready: {exc}") from exc
         finally:
-            with contextlib.suppress(OSError):
-                for leftover in home.iterdir():  # its imports should leave nothing there
-                    logger.debug("the fork server of %s left %s", entry, leftover)
-            import shutil
-
-            shutil.rmtree(home, ignore_errors=True)
+            shutil.rmtree(home, ignore_errors=True)  # its HOME as it imported; not a child's
         if not hello.get("ready"):
             self.close()
             raise ForkServerUnavailable(str(hello.get("refused", "it exited at start")))
@@ -366,6 +345,20 @@ def fork_server(entry: str, *, restart: bool = False) -> ForkServer | None:
                                "fresh interpreters", entry, exc)
             _SERVERS[entry] = server
         return server
+
+
+def fork_child(entry: str, cwd: Path, env: Mapping[str, str]) -> Forked | None:
+    """A child of ``entry`` forked by this process's server (``ForkServer.spawn``), the server
+    started again once if it has died; ``None`` where no server serves ``entry``."""
+    for restart in (False, True):
+        server = fork_server(entry, restart=restart)
+        if server is None:
+            return None
+        try:
+            return server.spawn(cwd, env)
+        except OSError as exc:
+            logger.warning("sandbox: the fork server of %s is gone (%s)", entry, exc)
+    return None
 
 
 def _forget_servers() -> None:

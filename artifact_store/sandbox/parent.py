@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from artifact_store.sandbox.cgroup import pids_cgroup, remove_cgroup
-from artifact_store.sandbox.forkserver import ANSWER_FD, Forked, fork_server
+from artifact_store.sandbox.forkserver import ANSWER_FD, Forked, fork_child
 from artifact_store.sandbox.limits import (
     ALLOCATION_FAILED,
     TMP_NOTE,
@@ -137,17 +137,8 @@ def _start(entry: str, scratch: Path, limits: Limits,
     the server serves (started again once if it has died), else a fresh interpreter.
     Completes ``request`` with where the child answers and who its parent is."""
     env = child_environment(scratch)
-    server = fork_server(entry) if limits.fork_server else None
-    for attempt in range(2 if server is not None else 0):
-        try:
-            forked = server.spawn(scratch, env)
-        except OSError as exc:
-            logger.warning("sandbox: the fork server of %s is gone (%s)%s", entry, exc,
-                           "; starting it again" if attempt == 0 else "")
-            server = fork_server(entry, restart=True) if attempt == 0 else None
-            if server is None:
-                break
-            continue
+    forked = fork_child(entry, scratch, env) if limits.fork_server else None
+    if forked is not None:
         # The waiter is its parent: it set its own death signal as it was forked.
         request.update(answer_fd=ANSWER_FD, parent=None)
         return forked
@@ -184,15 +175,19 @@ class _Started:
     def exited(self, timeout_s: float = 0.0) -> bool:
         """Whether it has exited, leaving it unreaped (``WNOWAIT``); looked at again after
         ``timeout_s`` (``waitid`` cannot wait with a timeout)."""
-        for wait in (0.0, timeout_s) if timeout_s else (0.0,):
-            time.sleep(wait)
-            try:
-                if os.waitid(os.P_PID, self.popen.pid,
-                             os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                    return True
-            except ChildProcessError:
-                return True
+        if self._has_exited():
+            return True
+        if timeout_s:
+            time.sleep(timeout_s)
+            return self._has_exited()
         return False
+
+    def _has_exited(self) -> bool:
+        try:
+            return os.waitid(os.P_PID, self.popen.pid,
+                             os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
 
     def wait(self) -> int:
         """Kill what is left of its process group, then reap it: until then its id, hence

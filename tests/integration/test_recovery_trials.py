@@ -258,10 +258,10 @@ def test_an_agent_recovers_on_its_own_when_its_engine_blob_is_deleted(fault_stac
 @pytest.mark.stack_workers(pool="prefork", concurrency=1)  # prefork: Celery enforces time limits
 @pytest.mark.stack_env({"KILN_JOB_TIME_MARGIN_S": "0.01", "KILN_PUBLISH_RETRY_BUDGET_S": "0"})
 def test_a_job_past_its_time_limit_fails_timed_out_and_the_worker_keeps_serving(fault_stack):
-    # 2048×2048 by 2048×2048 twice, tuned: fetching and loading a 34 MB model, building,
-    # verifying and timing at least a few calls of a tenth of a second or more each cannot
-    # fit in the soft limit of 1 + 0.01 + 0 s. (Within 2 s, with the 512-wide model, it
-    # finished on a fast machine once its sandboxed child no longer imported its libraries.)
+    # 2048×2048 by 2048×2048 twice, tuned: fetching and loading the model, building,
+    # verifying and timing at least MIN_ITERATIONS calls of it cannot fit in the soft limit of
+    # 1 + 0.01 + 0 s. (The 512-wide model within 2 s could finish on a fast machine once
+    # sandboxed children no longer imported their libraries.)
     heavy = mlp(in_features=2048, hidden=2048, out_features=2048, batch=2048, seed=2)
     slow = fault_stack.client.upload_model(heavy.SerializeToString(), name="slow")
     options = SLOW.model_copy(update={"tuning_budget_s": 1.0, "tune": Tune.AUTO})
